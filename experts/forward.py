@@ -1,0 +1,181 @@
+"""The dense part of a MoE transformer in numpy, with the MoE step as a pluggable hook.
+
+Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts): the per-arch
+differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
+thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> routed_sum``
+(llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe`;
+in the swarm it is a dispatch to the workers that host the chosen experts. The router
+and the shared expert stay here, next to the hidden state they read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .arch import RopeStyle, SharedExpert
+from .gguf_model import GGUFModel
+from .moe import route, silu, softmax
+
+MoeFfn = Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
+    return (x / np.sqrt(ms + eps).astype(np.float32)) * w
+
+
+def rope(x: np.ndarray, pos: np.ndarray, theta_base: float, style: RopeStyle) -> np.ndarray:
+    """Rotate x (n, heads, head_dim) by positions pos (n,)."""
+    hd = x.shape[-1]
+    inv = theta_base ** (-np.arange(0, hd // 2, dtype=np.float64) * 2.0 / hd)
+    ang = pos[:, None].astype(np.float64) * inv[None, :]
+    cos = np.cos(ang).astype(np.float32)[:, None, :]
+    sin = np.sin(ang).astype(np.float32)[:, None, :]
+    if style is RopeStyle.NEOX:
+        a, b = x[..., : hd // 2], x[..., hd // 2 :]
+        return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * cos - b * sin
+    out[..., 1::2] = a * sin + b * cos
+    return out
+
+
+@dataclass
+class KVCache:
+    """Per-layer keys/values of the positions seen so far (float32, as llama.cpp with type_k/v=F32)."""
+
+    k: list[np.ndarray] = field(default_factory=list)
+    v: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def n_past(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n (rejected speculative tokens)."""
+        self.k = [k[:n] for k in self.k]
+        self.v = [v[:n] for v in self.v]
+
+
+@dataclass(frozen=True)
+class Layer:
+    attn_norm: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    bq: np.ndarray | None
+    bk: np.ndarray | None
+    bv: np.ndarray | None
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
+    ffn_norm: np.ndarray
+    router: np.ndarray
+    shexp: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None  # gate_inp, gate, up, down
+
+
+class Backbone:
+    """Dequantized dense weights of a full model (not its routed experts, which stay mapped)."""
+
+    def __init__(self, model: GGUFModel) -> None:
+        if model.is_slice:
+            raise ValueError(f"{model.path} is a slice; the backbone needs the full model file")
+        self.model = model
+        self.cfg = cfg = model.cfg
+        self.spec = cfg.spec
+        d = model.dense
+        opt = lambda name: d(name) if model.has(name) else None  # noqa: E731
+        self.tok_embd = d("token_embd.weight")
+        self.output_norm = d("output_norm.weight")
+        self.output = d("output.weight") if model.has("output.weight") else self.tok_embd
+        self.layers = []
+        for i in range(cfg.n_layer):
+            b = f"blk.{i}."
+            shexp = None
+            if self.spec.shared_expert is SharedExpert.SIGMOID_GATED:
+                shexp = tuple(d(b + n) for n in ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"))
+            self.layers.append(
+                Layer(
+                    attn_norm=d(b + "attn_norm.weight"),
+                    wq=d(b + "attn_q.weight"),
+                    wk=d(b + "attn_k.weight"),
+                    wv=d(b + "attn_v.weight"),
+                    wo=d(b + "attn_output.weight"),
+                    bq=opt(b + "attn_q.bias"),
+                    bk=opt(b + "attn_k.bias"),
+                    bv=opt(b + "attn_v.bias"),
+                    q_norm=opt(b + "attn_q_norm.weight"),
+                    k_norm=opt(b + "attn_k_norm.weight"),
+                    ffn_norm=d(b + "ffn_norm.weight"),
+                    router=d(b + "ffn_gate_inp.weight"),
+                    shexp=shexp,
+                )
+            )
+
+    def attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
+        cfg, L = self.cfg, self.layers[i]
+        n, hd = h.shape[0], cfg.head_dim
+        q, k, v = h @ L.wq.T, h @ L.wk.T, h @ L.wv.T
+        if L.bq is not None:
+            q, k, v = q + L.bq, k + L.bk, v + L.bv
+        q = q.reshape(n, cfg.n_head, hd)
+        k = k.reshape(n, cfg.n_head_kv, hd)
+        v = v.reshape(n, cfg.n_head_kv, hd)
+        if L.q_norm is not None:
+            q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
+        q = rope(q, pos, cfg.rope_theta, self.spec.rope)
+        k = rope(k, pos, cfg.rope_theta, self.spec.rope)
+        if len(cache.k) <= i:
+            cache.k.append(k)
+            cache.v.append(v)
+        else:
+            cache.k[i] = np.concatenate([cache.k[i], k])
+            cache.v[i] = np.concatenate([cache.v[i], v])
+        K, V = cache.k[i], cache.v[i]  # (t, kv_heads, hd)
+        rep = cfg.n_head // cfg.n_head_kv
+        K = np.repeat(K, rep, axis=1).transpose(1, 2, 0)  # (heads, hd, t)
+        V = np.repeat(V, rep, axis=1).transpose(1, 0, 2)  # (heads, t, hd)
+        scores = np.matmul(q.transpose(1, 0, 2), K) * np.float32(1.0 / np.sqrt(hd))  # (heads, n, t)
+        t = K.shape[-1]
+        mask = np.arange(t)[None, :] > pos[:, None]
+        scores = np.where(mask[None], -np.inf, scores)
+        out = np.matmul(softmax(scores), V).transpose(1, 0, 2).reshape(n, cfg.q_dim)
+        return out @ L.wo.T
+
+    def router(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return route(x @ self.layers[i].router.T, self.cfg.n_expert_used, self.spec.norm_topk)
+
+    def shared_expert(self, i: int, x: np.ndarray) -> np.ndarray | None:
+        """The always-on expert; independent of the routed sum, so it can run during a dispatch."""
+        sh = self.layers[i].shexp
+        if sh is None:
+            return None
+        gate_inp, gate, up, down = sh
+        y = (silu(x @ gate.T) * (x @ up.T)) @ down.T
+        g = x @ gate_inp
+        return y * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))[:, None]
+
+    def forward(self, tokens: np.ndarray | list[int], cache: KVCache, moe_ffn: MoeFfn) -> np.ndarray:
+        """Run *tokens* (appended after the cache) through the model; logits (n, vocab) for each."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size == 0:
+            raise ValueError("forward needs at least one token")
+        if tokens.min() < 0 or tokens.max() >= self.cfg.n_vocab:
+            raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
+        pos = np.arange(cache.n_past, cache.n_past + tokens.size)
+        x = self.tok_embd[tokens]
+        for i, L in enumerate(self.layers):
+            h = rms_norm(x, L.attn_norm, self.cfg.rms_eps)
+            x = x + self.attention(i, h, pos, cache)
+            h = rms_norm(x, L.ffn_norm, self.cfg.rms_eps)
+            ids, w = self.router(i, h)
+            out = moe_ffn(i, h, ids, w)
+            sh = self.shared_expert(i, h)
+            if sh is not None:
+                out = out + sh
+            x = x + out
+        return rms_norm(x, self.output_norm, self.cfg.rms_eps) @ self.output.T

@@ -1,0 +1,322 @@
+"""Open a GGUF MoE model (or a slice of one) and check it is complete and consistent.
+
+Everything is memory-mapped by gguf-py's reader: opening a 30 GB model reads only
+its header, and an expert's weights are read by slicing the mapped tensor along
+its outermost dimension (ggml ne[2]), which touches only that expert's pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from .arch import EXPERT_TENSORS, FUSED_GATE_UP, SharedExpert, arch_spec
+from .config import ModelConfig, TokenizerSpec
+from .errors import ModelFormatError
+from .model_writer import expected_shapes
+
+SLICE_PREFIX = "moeswarm.slice."
+
+
+def _field(reader: gguf.GGUFReader, key: str, *, required: bool = True, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        if required:
+            raise ModelFormatError(f"GGUF key {key!r} is missing; the file was not written by a llama.cpp-compatible converter")
+        return default
+    value = f.contents()
+    return value
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    """A half-open range of expert indices [start, stop)."""
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"empty or negative expert range {self.start}..{self.stop}")
+
+    def __contains__(self, e: object) -> bool:
+        return isinstance(e, (int, np.integer)) and self.start <= e < self.stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __str__(self) -> str:
+        return f"{self.start}-{self.stop - 1}"
+
+
+def read_config(reader: gguf.GGUFReader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    spec = arch_spec(arch)
+    a = arch + "."
+    n_embd = int(_field(reader, a + "embedding_length"))
+    n_head = int(_field(reader, a + "attention.head_count"))
+    n_expert = int(_field(reader, a + "expert_count", required=False, default=0))
+    if n_expert == 0:
+        raise ModelFormatError(f"{a}expert_count is missing or 0: this is a dense model, not a Mixture-of-Experts one")
+    n_ff_shexp = 0
+    if spec.shared_expert is not SharedExpert.NONE:
+        n_ff_shexp = int(_field(reader, a + "expert_shared_feed_forward_length", required=False, default=0)) or int(
+            _field(reader, a + "feed_forward_length")
+        )
+    head_dim = int(_field(reader, a + "attention.key_length", required=False, default=n_embd // n_head))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return ModelConfig(
+        arch=arch,
+        n_vocab=len(tokens.data) if tokens is not None else int(_field(reader, a + "vocab_size")),
+        n_embd=n_embd,
+        n_layer=int(_field(reader, a + "block_count")),
+        n_head=n_head,
+        n_head_kv=int(_field(reader, a + "attention.head_count_kv", required=False, default=n_head)),
+        head_dim=head_dim,
+        n_expert=n_expert,
+        n_expert_used=int(_field(reader, a + "expert_used_count")),
+        n_ff_exp=int(_field(reader, a + spec.n_ff_exp_key)),
+        n_ff_shexp=n_ff_shexp,
+        rms_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon", required=spec.requires_rms_eps, default=1e-5)),
+        rope_theta=float(_field(reader, a + "rope.freq_base", required=False, default=10000.0)),
+        context_length=int(_field(reader, a + "context_length", required=False, default=2048)),
+        name=str(_field(reader, "general.name", required=False, default=arch)),
+    )
+
+
+@dataclass(frozen=True)
+class SliceInfo:
+    """What a slice file holds and which model it came from."""
+
+    model_digest: str
+    layers: range
+    experts: ExpertRange
+    manifest: list[str]  # one "name|type|shape|sha256" line per tensor of the source model
+    leaves: dict[str, list[str]]  # expert tensor name -> per-expert sha256 of the source model
+
+
+class GGUFModel:
+    """A validated, memory-mapped GGUF MoE model or slice."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFormatError(f"model file {self.path} does not exist")
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as exc:
+            raise ModelFormatError(f"{self.path} is not a readable GGUF file (truncated or corrupt header: {exc})") from None
+        size = self.path.stat().st_size
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise ModelFormatError(
+                    f"{self.path} is truncated: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes}, file has {size}"
+                )
+        self.cfg = read_config(self.reader)
+        self.slice = self._read_slice_info()
+        self._check_shapes()
+
+    # ---- structure -------------------------------------------------------------------------
+
+    @property
+    def is_slice(self) -> bool:
+        return self.slice is not None
+
+    @property
+    def layers(self) -> range:
+        return self.slice.layers if self.slice else range(self.cfg.n_layer)
+
+    @property
+    def experts(self) -> ExpertRange:
+        return self.slice.experts if self.slice else ExpertRange(0, self.cfg.n_expert)
+
+    def _read_slice_info(self) -> SliceInfo | None:
+        if SLICE_PREFIX + "model_digest" not in self.reader.fields:
+            return None
+        p = SLICE_PREFIX
+        leaves = json.loads(_field(self.reader, p + "leaves"))
+        return SliceInfo(
+            model_digest=_field(self.reader, p + "model_digest"),
+            layers=range(int(_field(self.reader, p + "layer_start")), int(_field(self.reader, p + "layer_stop"))),
+            experts=ExpertRange(int(_field(self.reader, p + "expert_start")), int(_field(self.reader, p + "expert_stop"))),
+            manifest=list(_field(self.reader, p + "manifest")),
+            leaves=leaves,
+        )
+
+    def expert_kinds(self, layer: int) -> tuple[str, ...]:
+        """The stacked expert tensors of *layer*: gate/up/down, or a fused gate_up plus down."""
+        if self.has(f"blk.{layer}.{FUSED_GATE_UP}.weight"):
+            return (FUSED_GATE_UP, "ffn_down_exps")
+        return EXPERT_TENSORS
+
+    def _check_shapes(self) -> None:
+        want = expected_shapes(self.cfg)
+        for i in range(self.cfg.n_layer):
+            if self.has(f"blk.{i}.{FUSED_GATE_UP}.weight"):
+                e, ff, d = want.pop(f"blk.{i}.ffn_gate_exps.weight")
+                del want[f"blk.{i}.ffn_up_exps.weight"]
+                want[f"blk.{i}.{FUSED_GATE_UP}.weight"] = (e, 2 * ff, d)
+        if self.is_slice:
+            n = len(self.experts)
+            want = {
+                f"blk.{i}.{kind}.weight": (n, *want[f"blk.{i}.{kind}.weight"][1:])
+                for i in self.layers
+                for kind in self.expert_kinds(i)
+            }
+        elif "output.weight" not in self.tensors and self.cfg.spec.tied_output_allowed:
+            del want["output.weight"]
+        for name, shape in want.items():
+            t = self.tensors.get(name)
+            if t is None:
+                raise ModelFormatError(f"tensor {name} is missing from {self.path} (arch {self.cfg.arch})")
+            got = tuple(int(x) for x in reversed(t.shape))
+            if got != shape:
+                raise ModelFormatError(f"tensor {name} has shape {got}, expected {shape} from the metadata")
+        if not self.is_slice and self.cfg.n_vocab != want["token_embd.weight"][0]:
+            raise ModelFormatError(
+                f"tokenizer.ggml.tokens has {self.cfg.n_vocab} tokens but token_embd.weight has {want['token_embd.weight'][0]} rows"
+            )
+
+    # ---- tensors -----------------------------------------------------------------------------
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a uint8 memory-map view, outermost dim first (zero copy)."""
+        t = self.tensors[name]
+        shape = tuple(int(x) for x in reversed(t.shape))
+        flat = self.reader.data[t.data_offset : t.data_offset + t.n_bytes]
+        return flat.reshape(shape[0], -1) if len(shape) > 1 else flat
+
+    def qtype(self, name: str) -> gguf.GGMLQuantizationType:
+        return self.tensors[name].tensor_type
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in reversed(self.tensors[name].shape))
+
+    def dense(self, name: str) -> np.ndarray:
+        """Dequantize a whole tensor to float32 in numpy order (ne reversed)."""
+        return dequantize_bytes(self.raw(name), self.qtype(name), self.shape(name))
+
+    def expert_bytes(self, layer: int, kind: str, expert: int) -> np.ndarray:
+        """One expert's contiguous, block-aligned bytes of a stacked expert tensor (zero copy)."""
+        name = f"blk.{layer}.{kind}.weight"
+        local = expert - self.experts.start
+        if expert not in self.experts or layer not in self.layers:
+            raise KeyError(f"expert {expert} of layer {layer} is not in {self.path}")
+        return self.raw(name).reshape(self.shape(name)[0], -1)[local]
+
+    def expert_byte_range(self, layer: int, kind: str, expert: int) -> tuple[int, int]:
+        """(file offset, length) of one expert inside its stacked tensor."""
+        name = f"blk.{layer}.{kind}.weight"
+        t = self.tensors[name]
+        per = t.n_bytes // self.shape(name)[0]
+        return t.data_offset + (expert - self.experts.start) * per, per
+
+    def expert_weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Dequantized (gate, up, down) of one expert: shapes (ff, d), (ff, d), (d, ff)."""
+        mats = []
+        for kind in self.expert_kinds(layer):
+            name = f"blk.{layer}.{kind}.weight"
+            mats.append(dequantize_bytes(self.expert_bytes(layer, kind, expert), self.qtype(name), self.shape(name)[1:]))
+        if len(mats) == 2:  # fused gate_up: gate rows first, then up (llama.cpp's split)
+            gate_up, down = mats
+            ff = gate_up.shape[0] // 2
+            return gate_up[:ff], gate_up[ff:], down
+        return mats[0], mats[1], mats[2]
+
+    # ---- identity ----------------------------------------------------------------------------
+
+    @cached_property
+    def digest(self) -> str:
+        """The model's content digest; a slice reports the digest of the model it was cut from."""
+        if self.slice:
+            return self.slice.model_digest
+        return model_digest(self.manifest)
+
+    @cached_property
+    def _entries(self) -> dict[str, tuple[str, list[str]]]:
+        return _manifest_entries(self)
+
+    @property
+    def manifest(self) -> list[str]:
+        """The config line, then one "name|type|shape|sha256" line per tensor, in file order."""
+        return [config_line(self.cfg)] + [line for line, _ in self._entries.values()]
+
+    @property
+    def leaves(self) -> dict[str, list[str]]:
+        """Per-expert sha256 of every stacked expert tensor."""
+        return {name: lv for name, (_, lv) in self._entries.items() if lv}
+
+    @cached_property
+    def tokenizer_spec(self) -> TokenizerSpec:
+        from .tokenizer import tokenizer_spec_from_reader
+
+        return tokenizer_spec_from_reader(self.reader)
+
+
+def dequantize_bytes(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """Dequantize packed bytes to a float32 array of *shape* (numpy order)."""
+    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, gguf.quant_shape_to_byte_shape(shape, qtype)[-1])
+    return np.asarray(gguf.quants.dequantize(rows, qtype), dtype=np.float32).reshape(shape)
+
+
+def model_digest(manifest: list[str]) -> str:
+    return hashlib.sha256("\n".join(manifest).encode()).hexdigest()
+
+
+def _is_expert_tensor(name: str) -> bool:
+    return name.endswith("_exps.weight")
+
+
+def config_line(cfg: ModelConfig) -> str:
+    """The hyper-parameters as one canonical line: two files with the same tensors but other
+    metadata (say, a different top-k) compute different things and must not share a digest."""
+    return "config|" + json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def _manifest_entries(model: GGUFModel) -> dict[str, tuple[str, list[str]]]:
+    """One line per tensor: name|type|shape|sha256; for stacked experts the hash is over per-expert hashes.
+
+    Hashing experts one by one (a Merkle list) lets a slice prove each expert it holds
+    belongs to the model without shipping the rest of the model. Computed once per file
+    and cached beside it, keyed by size and mtime, because it reads every byte.
+    """
+    cache = model.path.with_name(model.path.name + ".moeswarm-digest.json")
+    st = model.path.stat()
+    key = f"{st.st_size}:{st.st_mtime_ns}"
+    if cache.exists():
+        try:
+            saved = json.loads(cache.read_text())
+            if saved.get("key") == key:
+                return {name: (line, lv) for name, line, lv in saved["entries"]}
+        except (ValueError, KeyError, TypeError):
+            pass
+    entries = []
+    for name, t in model.tensors.items():
+        data = model.raw(name)
+        leaves: list[str] = []
+        if _is_expert_tensor(name):
+            leaves = [hashlib.sha256(row).hexdigest() for row in data.reshape(data.shape[0], -1)]
+            h = hashlib.sha256("".join(leaves).encode()).hexdigest()
+        else:
+            h = hashlib.sha256(data).hexdigest()
+        shape = "x".join(str(x) for x in model.shape(name))
+        entries.append((name, f"{name}|{t.tensor_type.name}|{shape}|{h}", leaves))
+    try:
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "entries": entries}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only model directory only costs recomputation
+    return {name: (line, lv) for name, line, lv in entries}

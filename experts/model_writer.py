@@ -1,0 +1,161 @@
+"""Write a MoE model as GGUF the way llama.cpp's converter lays it out.
+
+Used by the random-model generator, the embedded-model training script and the
+slice writer, so every GGUF we make has one layout: tensor names and shapes
+llama.cpp loads, stacked experts with the expert index outermost (ggml ne[2]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from .config import ModelConfig, TokenizerSpec
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Numpy shapes (ggml ne reversed) of every tensor llama.cpp requires for *cfg*."""
+    spec = cfg.spec
+    e, ff, d = cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (cfg.n_vocab, d),
+        "output_norm.weight": (d,),
+        "output.weight": (cfg.n_vocab, d),
+    }
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        shapes |= {
+            b + "attn_norm.weight": (d,),
+            b + "attn_q.weight": (cfg.q_dim, d),
+            b + "attn_k.weight": (cfg.kv_dim, d),
+            b + "attn_v.weight": (cfg.kv_dim, d),
+            b + "attn_output.weight": (d, cfg.q_dim),
+            b + "ffn_norm.weight": (d,),
+            b + "ffn_gate_inp.weight": (e, d),
+            b + "ffn_gate_exps.weight": (e, ff, d),
+            b + "ffn_up_exps.weight": (e, ff, d),
+            b + "ffn_down_exps.weight": (e, d, ff),
+        }
+        if spec.qkv_bias:
+            shapes |= {
+                b + "attn_q.bias": (cfg.q_dim,),
+                b + "attn_k.bias": (cfg.kv_dim,),
+                b + "attn_v.bias": (cfg.kv_dim,),
+            }
+        if spec.qk_norm:
+            shapes |= {b + "attn_q_norm.weight": (cfg.head_dim,), b + "attn_k_norm.weight": (cfg.head_dim,)}
+        if cfg.n_ff_shexp:
+            s = cfg.n_ff_shexp
+            shapes |= {
+                b + "ffn_gate_inp_shexp.weight": (d,),
+                b + "ffn_gate_shexp.weight": (s, d),
+                b + "ffn_up_shexp.weight": (s, d),
+                b + "ffn_down_shexp.weight": (d, s),
+            }
+    return shapes
+
+
+# Small tensors stay F32 whatever the requested type, as llama.cpp's converter does:
+# norms, biases and the router are tiny and precision-sensitive.
+def _keeps_f32(name: str, arr: np.ndarray) -> bool:
+    return arr.ndim == 1 or name.endswith("ffn_gate_inp.weight")
+
+
+def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """The architecture keys llama.cpp reads (shared by full models and slices)."""
+    w.add_name(cfg.name)
+    w.add_context_length(cfg.context_length)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(cfg.n_ff_exp)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_head_kv)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_vocab_size(cfg.n_vocab)
+    w.add_expert_count(cfg.n_expert)
+    w.add_expert_used_count(cfg.n_expert_used)
+    w.add_expert_feed_forward_length(cfg.n_ff_exp)
+    if cfg.n_ff_shexp:
+        w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
+
+
+def write_model(
+    path: str | Path,
+    cfg: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    tokenizer: TokenizerSpec,
+    *,
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    extra_kv: Mapping[str, object] | None = None,
+    raw_tensors: Mapping[str, tuple[bytes | np.ndarray, tuple[int, ...], gguf.GGMLQuantizationType]] | None = None,
+) -> None:
+    """Write *tensors* (float arrays, numpy shapes) quantized to *qtype* where allowed.
+
+    *raw_tensors* carries already-quantized bytes (name -> (data, numpy float shape,
+    type)), which the slice writer uses to copy expert bytes without re-quantizing.
+    """
+    w = gguf.GGUFWriter(str(path), cfg.arch)
+    add_hparams(w, cfg)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == gguf.GGMLQuantizationType.F32 else gguf.LlamaFileType.GUESSED)
+
+    t = tokenizer
+    w.add_tokenizer_model(t.model)
+    w.add_tokenizer_pre(t.pre)
+    w.add_token_list(t.tokens)
+    w.add_token_types(t.token_types)
+    if t.scores is not None:
+        w.add_token_scores(t.scores)
+    if t.merges is not None:
+        w.add_token_merges(t.merges)
+    w.add_bos_token_id(t.bos_id)
+    w.add_eos_token_id(t.eos_id)
+    if t.unk_id is not None:
+        w.add_unk_token_id(t.unk_id)
+    if t.pad_id is not None:
+        w.add_pad_token_id(t.pad_id)
+    w.add_add_bos_token(t.add_bos)
+    for key, value in {**t.extra, **(extra_kv or {})}.items():
+        _add_kv(w, key, value)
+
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if qtype == gguf.GGMLQuantizationType.F32 or _keeps_f32(name, arr):
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, gguf.quantize(arr, qtype), raw_dtype=qtype)
+    for name, (data, shape, rtype) in (raw_tensors or {}).items():
+        buf = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
+        w.add_tensor(name, buf, raw_shape=_byte_shape(shape, rtype), raw_dtype=rtype)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _byte_shape(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> tuple[int, ...]:
+    """gguf-py wants the byte shape of raw (uint8) tensor data: last dim in bytes."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    return (*shape[:-1], shape[-1] // block * type_size)
+
+
+def _add_kv(w: gguf.GGUFWriter, key: str, value: object) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint64(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        w.add_array(key, list(value))
+    else:
+        raise TypeError(f"cannot store {type(value).__name__} under GGUF key {key}")

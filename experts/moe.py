@@ -1,0 +1,156 @@
+"""MoE math: routing, batch-invariant expert FFNs, weighted partial sums and their combine order.
+
+Exactness across the swarm rests on two rules, both part of the protocol:
+
+1. **Batch invariance.** BLAS gives a token different bits depending on how many
+   other rows share its matmul (measured: OpenBLAS sgemm differs for M=1 and M=3).
+   A worker batches tokens from many backbones, so every expert matmul here runs
+   on fixed tiles of ``TILE`` rows (zero-padded): a row's result then depends only
+   on the row itself, never on its neighbours.
+2. **Fixed summation order.** Floating-point addition is not associative. A worker
+   sums its experts' weighted outputs in the token's top-k *slot order* (highest
+   router probability first, as llama.cpp does); the backbone adds the workers'
+   partial sums in ascending *group order* (the order of expert ranges in the
+   partition). The local path uses the same grouping, so with an F32 wire the
+   remote result equals the local one bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+TILE = 8
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = x.max(axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def route(logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax -> top-k (slot 0 = highest probability) -> optional renormalisation, as llama.cpp.
+
+    Returns (expert ids int32 (n, k), weights float32 (n, k)).
+    """
+    probs = softmax(logits.astype(np.float32, copy=False))
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k].astype(np.int32)
+    w = np.take_along_axis(probs, ids, axis=-1)
+    if norm_topk:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return ids, w.astype(np.float32)
+
+
+def tiled_matmul(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
+    """x (m, a) @ w_t (a, b), computed on zero-padded tiles of TILE rows (batch invariant)."""
+    m = x.shape[0]
+    padded = -(-m // TILE) * TILE
+    if padded != m:
+        x = np.concatenate([x, np.zeros((padded - m, x.shape[1]), dtype=np.float32)])
+    out = np.empty((padded, w_t.shape[1]), dtype=np.float32)
+    for t in range(0, padded, TILE):
+        np.matmul(x[t : t + TILE], w_t, out=out[t : t + TILE])
+    return out[:m]
+
+
+def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """SwiGLU expert: down(silu(gate x) * up x), batch invariant. x (m, d) -> (m, d)."""
+    g = tiled_matmul(x, gate.T)
+    u = tiled_matmul(x, up.T)
+    return tiled_matmul(silu(g) * u, down.T)
+
+
+class ExpertSource:
+    """Where a worker's expert weights come from (cached or dequantized on the fly)."""
+
+    def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+
+def partial_sum(
+    source: ExpertSource,
+    layer: int,
+    x: np.ndarray,
+    expert_ids: np.ndarray,
+    weights: np.ndarray,
+    held: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The weighted sum, in slot order, of the experts *held* for each token.
+
+    x (n, d); expert_ids, weights (n, k); held (n, k) bool marks the slots this worker
+    answers for. Returns (sums (n, d), has_any (n,) bool): tokens with no held slot get 0.
+    One expert's FFN runs once over all tokens that chose it.
+    """
+    n, k = expert_ids.shape
+    contrib = np.zeros((n, k, x.shape[1]), dtype=np.float32)
+    for e in np.unique(expert_ids[held]):
+        rows, slots = np.nonzero(held & (expert_ids == e))
+        y = expert_ffn(x[rows], *source.weights(layer, int(e)))
+        contrib[rows, slots] = weights[rows, slots][:, None] * y
+    return ordered_sum(contrib, held)
+
+
+def ordered_sum(terms: np.ndarray, present: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sum terms (n, m, d) over m in index order, using only the *present* (n, m) ones.
+
+    The first present term is taken as is (not added to zero), so the result is the
+    same whether absent terms exist or not: ((t0 + t1) + t2) + ...
+    """
+    n, m, d = terms.shape
+    acc = np.zeros((n, d), dtype=np.float32)
+    started = np.zeros(n, dtype=bool)
+    for j in range(m):
+        col = present[:, j]
+        add = col & started
+        first = col & ~started
+        acc[add] += terms[add, j]
+        acc[first] = terms[first, j]
+        started |= col
+    return acc, started
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Expert ranges that answer together, in combine order: [(start, stop), ...] covering all experts."""
+
+    bounds: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def even(cls, n_expert: int, n_groups: int) -> Partition:
+        edges = np.linspace(0, n_expert, n_groups + 1).round().astype(int)
+        return cls(tuple((int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a))
+
+    @classmethod
+    def whole(cls, n_expert: int) -> Partition:
+        return cls(((0, n_expert),))
+
+    def held_mask(self, group: int, expert_ids: np.ndarray) -> np.ndarray:
+        a, b = self.bounds[group]
+        return (expert_ids >= a) & (expert_ids < b)
+
+
+def combine(partials: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Add per-group partial sums in group order (the protocol's combine order)."""
+    sums = np.stack([p for p, _ in partials], axis=1)
+    present = np.stack([h for _, h in partials], axis=1)
+    total, _ = ordered_sum(sums, present)
+    return total
+
+
+def grouped_moe(
+    source: ExpertSource, partition: Partition, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray
+) -> np.ndarray:
+    """The local path: every group's partial sum computed here, combined in protocol order."""
+    return combine([partial_sum(source, layer, x, expert_ids, weights, partition.held_mask(g, expert_ids)) for g in range(len(partition.bounds))])
+
+
+def ungrouped_moe(source: ExpertSource, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Plain slot-order sum over all k experts (what a single llama.cpp process does)."""
+    return partial_sum(source, layer, x, expert_ids, weights, np.ones(expert_ids.shape, dtype=bool))[0]

@@ -1,0 +1,161 @@
+"""Random MoE models of any shape, written as real GGUF files llama.cpp loads.
+
+Tests and benchmarks need models of many shapes and quantizations without a
+download. gguf-py quantizes F16/BF16/Q8_0/Q4_x/Q5_x but no K-quant, so K-quant
+tensors are made of random blocks whose f16 scale fields are set to sane values:
+the bytes are valid blocks of that type, which is all a reader or benchmark needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from .config import ModelConfig, TokenizerSpec
+from .errors import ModelFormatError
+from .model_writer import expected_shapes, write_model
+
+Q = gguf.GGMLQuantizationType
+GGUFPY_QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}
+# Byte offsets of the f16 super-block scales (d, and dmin where present) in each K-quant block.
+K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+SUPPORTED_QTYPES = GGUFPY_QUANTIZABLE | set(K_QUANT_SCALES)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what byte-level BPE vocabularies store)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+def byte_level_tokenizer() -> TokenizerSpec:
+    """256 byte tokens, a few merges (llama.cpp requires the merges key) and <|endoftext|>."""
+    b2u = bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    sp = b2u[ord(" ")]
+    pairs = [(sp, "t"), ("t", "h"), ("h", "e"), (sp + "t", "he"), ("i", "n"), ("e", "r"), ("a", "n"), (sp, "a")]
+    merges = []
+    for a, b in pairs:
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+    eot = len(tokens)
+    tokens.append("<|endoftext|>")
+    types = [int(gguf.TokenType.NORMAL)] * eot + [int(gguf.TokenType.CONTROL)]
+    return TokenizerSpec(model="gpt2", pre="gpt-2", tokens=tokens, token_types=types, merges=merges, bos_id=eot, eos_id=eot)
+
+
+def random_config(
+    arch: str,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int | None = None,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 32,
+    n_ff_shexp: int | None = None,
+    n_vocab: int | None = None,
+) -> ModelConfig:
+    from .arch import SharedExpert, arch_spec
+
+    spec = arch_spec(arch)
+    if n_ff_shexp is None:
+        n_ff_shexp = 2 * n_ff_exp if spec.shared_expert is not SharedExpert.NONE else 0
+    if not 0 < n_expert_used <= n_expert:
+        raise ModelFormatError(f"top-k {n_expert_used} must be between 1 and the expert count {n_expert}")
+    return ModelConfig(
+        arch=arch,
+        n_vocab=n_vocab or len(byte_level_tokenizer().tokens),
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim or n_embd // n_head,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_ff_exp=n_ff_exp,
+        n_ff_shexp=n_ff_shexp,
+        rms_eps=1e-6,
+        rope_theta=10000.0,
+        context_length=512,
+        name=f"random-{arch}",
+    )
+
+
+def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Float32 weights with fan-in scaling; the router is sharper than init so top-k choices are clear."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in expected_shapes(cfg).items():
+        if len(shape) == 1:
+            arr = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            std = 1.0 / np.sqrt(shape[-1])
+            if name.endswith("ffn_gate_inp.weight"):
+                std *= 4.0
+            elif name == "token_embd.weight":
+                std = 1.0
+            arr = std * rng.standard_normal(shape)
+        out[name] = arr.astype(np.float32)
+    return out
+
+
+def random_k_blocks(qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid K-quant blocks whose dequantized values have roughly *std*."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        raise ModelFormatError(f"{qtype.name} needs rows that are a multiple of {block}; got row length {shape[-1]}")
+    n_blocks = int(np.prod(shape)) // block
+    blocks = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    offsets = K_QUANT_SCALES[qtype]
+    unit = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    for off in offsets:
+        blocks[:, off : off + 2] = unit
+    probe = gguf.quants.dequantize(blocks[: min(64, n_blocks)], qtype)
+    scale = np.frombuffer(np.float16(std / max(float(probe.std()), 1e-12)).tobytes(), dtype=np.uint8)
+    for off in offsets:
+        blocks[:, off : off + 2] = scale
+    return blocks.reshape(*shape[:-1], shape[-1] // block * size)
+
+
+def write_random_model(
+    path: str | Path,
+    cfg: ModelConfig,
+    *,
+    qtype: gguf.GGMLQuantizationType = Q.F32,
+    seed: int = 0,
+) -> None:
+    """Write a random model; matrices in *qtype* (router, norms and biases stay F32)."""
+    if qtype not in SUPPORTED_QTYPES:
+        names = ", ".join(sorted(q.name for q in SUPPORTED_QTYPES))
+        raise ModelFormatError(f"cannot generate {qtype.name} tensors; choose one of {names}")
+    tensors = random_tensors(cfg, seed)
+    tok = byte_level_tokenizer()
+    if len(tok.tokens) != cfg.n_vocab:
+        raise ModelFormatError(f"random models use the {len(tok.tokens)}-token byte-level vocabulary, not {cfg.n_vocab}")
+    raw = {}
+    if qtype in K_QUANT_SCALES:
+        rng = np.random.default_rng(seed + 1)
+        for name in list(tensors):
+            arr = tensors[name]
+            if arr.ndim >= 2 and not name.endswith("ffn_gate_inp.weight"):
+                raw[name] = (random_k_blocks(qtype, arr.shape, float(arr.std()), rng), arr.shape, qtype)
+                del tensors[name]
+        qtype = Q.F32
+    else:
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        bad = [n for n, a in tensors.items() if a.ndim >= 2 and a.shape[-1] % block]
+        if bad:
+            raise ModelFormatError(f"{qtype.name} needs row lengths that are multiples of {block}; {bad[0]} has {tensors[bad[0]].shape[-1]}")
+    write_model(path, cfg, tensors, tok, qtype=qtype, raw_tensors=raw)

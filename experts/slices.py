@@ -1,0 +1,145 @@
+"""Expert slices: cut (layers x expert range) out of a model, prove where it came from, load it in a budget.
+
+A slice file is a GGUF holding only the stacked expert tensors of its layers,
+cut along ne[2] to its expert range, in the original quantization (bytes copied,
+never re-quantized), plus ``moeswarm.slice.*`` metadata: the source model's digest,
+its manifest (one line per tensor) and the per-expert hashes of the sliced tensors.
+Loading re-derives the model digest from the manifest and checks every expert's
+bytes against its hash, so a slice cannot claim a model it was not cut from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import structlog
+
+from .errors import SliceError
+from .gguf_model import SLICE_PREFIX, ExpertRange, GGUFModel, config_line, model_digest
+from .model_writer import add_hparams
+from .moe import ExpertSource
+
+log = structlog.get_logger("experts.slices")
+
+
+def parse_range(text: str, limit: int, what: str) -> range:
+    """'0-3' or '5' -> range, checked against [0, limit)."""
+    try:
+        a, _, b = text.partition("-")
+        start, stop = int(a), int(b or a) + 1
+    except ValueError:
+        raise SliceError(f"{what} range {text!r} is not of the form N or N-M") from None
+    if not 0 <= start < stop <= limit:
+        raise SliceError(f"{what} range {text} is out of bounds: the model has {what}s 0-{limit - 1}")
+    return range(start, stop)
+
+
+def write_slice(model: GGUFModel, layers: range, experts: ExpertRange, out: str | Path) -> Path:
+    """Write the slice (layers x experts) of a full model to *out*."""
+    if model.is_slice:
+        raise SliceError(f"{model.path} is already a slice; cut slices from the full model")
+    cfg = model.cfg
+    if layers.start < 0 or layers.stop > cfg.n_layer or not layers:
+        raise SliceError(f"layers {layers.start}-{layers.stop - 1} are out of bounds: the model has layers 0-{cfg.n_layer - 1}")
+    if experts.stop > cfg.n_expert:
+        raise SliceError(f"experts {experts} are out of bounds: the model has experts 0-{cfg.n_expert - 1}")
+    w = gguf.GGUFWriter(str(out), cfg.arch)
+    add_hparams(w, cfg)
+    p = SLICE_PREFIX
+    w.add_string(p + "model_digest", model.digest)
+    w.add_uint32(p + "layer_start", layers.start)
+    w.add_uint32(p + "layer_stop", layers.stop)
+    w.add_uint32(p + "expert_start", experts.start)
+    w.add_uint32(p + "expert_stop", experts.stop)
+    w.add_array(p + "manifest", model.manifest)
+    leaves = {}
+    for i in layers:
+        for kind in model.expert_kinds(i):
+            name = f"blk.{i}.{kind}.weight"
+            leaves[name] = model.leaves[name]
+            data = model.raw(name).reshape(model.shape(name)[0], -1)[experts.start : experts.stop]
+            shape = (len(experts), *model.shape(name)[1:])
+            qtype = model.qtype(name)
+            w.add_tensor(name, np.ascontiguousarray(data).reshape(gguf.quant_shape_to_byte_shape(shape, qtype)), raw_shape=gguf.quant_shape_to_byte_shape(shape, qtype), raw_dtype=qtype)
+    w.add_string(p + "leaves", json.dumps(leaves))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)
+
+
+def check_slice(sl: GGUFModel, expected_digest: str | None = None) -> None:
+    """Prove the slice's bytes belong to the model it names (and, if given, that this is *expected_digest*)."""
+    info = sl.slice
+    if info is None:
+        raise SliceError(f"{sl.path} is not a slice file")
+    if expected_digest is not None and info.model_digest != expected_digest:
+        raise SliceError(
+            f"slice {sl.path} was cut from model {info.model_digest[:16]}..., not from {expected_digest[:16]}...; "
+            "use a slice of the model you serve"
+        )
+    if model_digest(info.manifest) != info.model_digest:
+        raise SliceError(f"slice {sl.path}: its manifest does not hash to the model digest it claims (tampered metadata)")
+    if info.manifest[0] != config_line(sl.cfg):
+        raise SliceError(f"slice {sl.path}: its hyper-parameters differ from those of model {info.model_digest[:16]}...")
+    manifest_hash = {line.split("|")[0]: line.split("|")[3] for line in info.manifest[1:]}
+    for i in sl.layers:
+        for kind in sl.expert_kinds(i):
+            name = f"blk.{i}.{kind}.weight"
+            leaves = info.leaves.get(name)
+            if leaves is None or hashlib.sha256("".join(leaves).encode()).hexdigest() != manifest_hash.get(name):
+                raise SliceError(f"slice {sl.path}: tensor {name} is not part of model {info.model_digest[:16]}...")
+            for e in range(sl.experts.start, sl.experts.stop):
+                if hashlib.sha256(sl.expert_bytes(i, kind, e)).hexdigest() != leaves[e]:
+                    raise SliceError(f"slice {sl.path}: expert {e} of {name} does not match the model's bytes")
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    mode: str  # "cached" (dequantized once) or "on-the-fly" (dequantized per dispatch from the mmap)
+    cached_bytes: int  # float32 bytes a cache of every hosted expert would take
+    budget: int | None
+
+
+class ExpertStore(ExpertSource):
+    """The experts a node hosts, from a full model or a slice, within a memory budget.
+
+    With room for every hosted expert in float32 it dequantizes once ("cached");
+    otherwise it keeps only the quantized memory map and dequantizes per call
+    ("on-the-fly"): slower, but a phone can host a slice larger than its RAM.
+    """
+
+    def __init__(self, model: GGUFModel, layers: range | None = None, experts: ExpertRange | None = None, *, memory_budget: int | None = None) -> None:
+        self.model = model
+        self.layers = layers if layers is not None else model.layers
+        self.experts = experts or model.experts
+        if self.layers.start < model.layers.start or self.layers.stop > model.layers.stop:
+            raise SliceError(f"layers {self.layers.start}-{self.layers.stop - 1} are not in {model.path} (it has {model.layers.start}-{model.layers.stop - 1})")
+        if self.experts.start < model.experts.start or self.experts.stop > model.experts.stop:
+            raise SliceError(f"experts {self.experts} are not in {model.path} (it has {model.experts})")
+        cfg = model.cfg
+        per_expert = 3 * cfg.n_ff_exp * cfg.n_embd * 4
+        need = per_expert * len(self.layers) * len(self.experts)
+        mode = "cached" if memory_budget is None or need <= memory_budget else "on-the-fly"
+        self.plan = LoadPlan(mode, need, memory_budget)
+        self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        if mode == "cached":
+            for i in self.layers:
+                for e in range(self.experts.start, self.experts.stop):
+                    self._cache[(i, e)] = model.expert_weights(i, e)
+        log.info("experts.loaded", path=str(model.path), layers=f"{self.layers.start}-{self.layers.stop - 1}", experts=str(self.experts), mode=mode, float_bytes=need, budget=memory_budget)
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return layer in self.layers and expert in self.experts
+
+    def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self.holds(layer, expert):
+            raise SliceError(f"expert {expert} of layer {layer} is not hosted here")
+        cached = self._cache.get((layer, expert))
+        return cached if cached is not None else self.model.expert_weights(layer, expert)
