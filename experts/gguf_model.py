@@ -63,6 +63,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     a = arch + "."
     n_embd = int(_field(reader, a + "embedding_length"))
     n_head = int(_field(reader, a + "attention.head_count"))
+    n_layer = int(_field(reader, a + "block_count"))
     n_expert = int(_field(reader, a + "expert_count", required=False, default=0))
     if n_expert == 0:
         raise ModelFormatError(f"{a}expert_count is missing or 0: this is a dense model, not a Mixture-of-Experts one")
@@ -75,9 +76,9 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
         arch=arch,
-        n_vocab=len(tokens.data) if tokens is not None else int(_field(reader, a + "vocab_size")),
+        n_vocab=len(tokens.data) if tokens is not None else int(_field(reader, a + "vocab_size")),  # slices keep no vocabulary
         n_embd=n_embd,
-        n_layer=int(_field(reader, a + "block_count")),
+        n_layer=n_layer,
         n_head=n_head,
         n_head_kv=int(_field(reader, a + "attention.head_count_kv", required=False, default=n_head)),
         head_dim=head_dim,

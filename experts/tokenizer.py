@@ -1,0 +1,444 @@
+"""Tokenize and detokenize exactly as llama.cpp does for a GGUF's ``tokenizer.ggml.*`` metadata.
+
+A node must turn text into the very token ids the reference engine would, or its
+logits are compared against a different prompt. The merging itself is HF
+``tokenizers``' BPE; this module only configures it the way llama.cpp's
+``llama-vocab.cpp`` behaves for each file:
+
+* ``gpt2`` (byte-level BPE): text is split by the regexes llama.cpp hard-codes for
+  ``tokenizer.ggml.pre`` (one table below), mapped to GPT-2's byte alphabet and
+  merged by rank.
+* ``llama`` (SentencePiece, llama.cpp's ``llm_tokenizer_spm``): spaces become U+2581,
+  a dummy space is put in front of every run of text, adjacent pieces are merged
+  greedily by the score of the piece they form, and characters missing from the
+  vocab fall back to ``<0xXX>`` byte tokens. HF's own llama conversion expresses
+  this as a BPE whose merges are every split of every piece, ranked by score.
+
+Decoding does not use HF: a token stands for fixed bytes (``token_bytes``, the same
+as llama.cpp's ``token_to_piece`` without special tokens), so text is their
+concatenation.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import gguf
+import structlog
+from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import BPE
+
+from .config import TokenizerSpec
+from .errors import ModelFormatError
+
+log = structlog.get_logger(__name__)
+
+KEY = gguf.Keys.Tokenizer
+TokenType = gguf.TokenType
+SPACE_MARK = "\u2581"  # SentencePiece's visible space
+
+# --- pre-tokenizers, as llama.cpp's llm_tokenizer_bpe hard-codes them -------------------------
+
+# The case-insensitive contractions are spelled out ('[sS]') as llama.cpp does: a
+# regex engine's (?i:) would also match case-folded look-alikes such as U+017F.
+_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_QWEN2_RE = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_RE = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How llama.cpp splits text into words before BPE, for one ``tokenizer.ggml.pre`` value."""
+
+    regexes: tuple[str, ...]  # applied in turn; each splits every piece of the last, keeping matches and gaps
+    ignore_merges: bool = False  # a word that is itself in the vocab is one token, unmerged (llama3)
+    add_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
+
+
+_DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", "[0-9][0-9][0-9]"))
+_GPT2 = PreTokenizer((_GPT2_RE,))
+_QWEN2 = PreTokenizer((_QWEN2_RE,))
+_LLAMA3 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
+
+# Names llama.cpp maps to the same behaviour share a row.
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    "default": _DEFAULT,
+    "gpt-2": _GPT2,
+    "phi-2": _GPT2,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+}
+SUPPORTED_MODELS = ("gpt2", "llama")
+
+
+def _pre_tokenizer(pre: str) -> PreTokenizer:
+    try:
+        return PRE_TOKENIZERS[pre]
+    except KeyError:
+        raise ModelFormatError(
+            f"{KEY.PRE} = {pre!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+        ) from None
+
+
+def _check_model(model: str) -> None:
+    if model not in SUPPORTED_MODELS:
+        raise ModelFormatError(f"{KEY.MODEL} = {model!r} is not supported; supported: {', '.join(SUPPORTED_MODELS)}")
+
+
+# --- reading the spec from GGUF ------------------------------------------------------------------
+
+_INT_TYPES = frozenset(
+    {
+        gguf.GGUFValueType.UINT8,
+        gguf.GGUFValueType.INT8,
+        gguf.GGUFValueType.UINT16,
+        gguf.GGUFValueType.INT16,
+        gguf.GGUFValueType.UINT32,
+        gguf.GGUFValueType.INT32,
+        gguf.GGUFValueType.UINT64,
+        gguf.GGUFValueType.INT64,
+    }
+)
+
+
+def _value(reader: gguf.GGUFReader, key: str, allowed: frozenset, *, array: bool) -> Any:
+    """The value of *key*, None when absent; ModelFormatError when of another type."""
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    types = field.types
+    is_array = bool(types) and types[0] == gguf.GGUFValueType.ARRAY
+    elem = types[-1] if types else None
+    if is_array != array or (array and len(types) != 2) or elem not in allowed:
+        shape = "array of " if array else ""
+        want = " or ".join(sorted(t.name for t in allowed))
+        got = "/".join(t.name for t in types)
+        raise ModelFormatError(f"GGUF key {key} has type {got}, expected {shape}{want}")
+    try:
+        return field.contents()
+    except UnicodeDecodeError as e:
+        raise ModelFormatError(f"GGUF key {key} holds a string that is not UTF-8: {e}") from None
+
+
+def _string(reader: gguf.GGUFReader, key: str) -> str | None:
+    return _value(reader, key, frozenset({gguf.GGUFValueType.STRING}), array=False)
+
+
+def _int(reader: gguf.GGUFReader, key: str) -> int | None:
+    return _value(reader, key, _INT_TYPES, array=False)
+
+
+def _bool(reader: gguf.GGUFReader, key: str) -> bool | None:
+    value = _value(reader, key, frozenset({gguf.GGUFValueType.BOOL}), array=False)
+    return None if value is None else bool(value)
+
+
+def _per_token(values: list | None, key: str, n_tokens: int) -> list | None:
+    # llama.cpp accepts longer arrays and reads the first n_tokens entries.
+    if values is not None and len(values) < n_tokens:
+        raise ModelFormatError(f"GGUF key {key} has {len(values)} entries for {n_tokens} tokens")
+    return None if values is None else values[:n_tokens]
+
+
+def _special_id(reader: gguf.GGUFReader, key: str, default: int | None, n_tokens: int) -> int | None:
+    value = _int(reader, key)
+    if value is None:
+        return default if default is not None and default < n_tokens else None
+    if not 0 <= value < n_tokens:
+        raise ModelFormatError(f"GGUF key {key} = {value} is outside the vocab of {n_tokens} tokens")
+    return value
+
+
+# llama.cpp's special-token ids when the file names none.
+_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11, "unk": None}}
+
+
+def tokenizer_spec_from_reader(reader: gguf.GGUFReader) -> TokenizerSpec:
+    """The tokenizer of a GGUF file, with llama.cpp's defaults filled in for absent keys.
+
+    ``spec.extra`` holds ``tokenizer.ggml.add_space_prefix`` (under that key) when the
+    file sets it, so writing the spec back reproduces the file's behaviour.
+    """
+    model = _string(reader, KEY.MODEL)
+    if model is None:
+        raise ModelFormatError(f"GGUF key {KEY.MODEL} is missing: the file carries no tokenizer")
+    _check_model(model)
+    pre = _string(reader, KEY.PRE) or "default"
+
+    tokens = _value(reader, KEY.LIST, frozenset({gguf.GGUFValueType.STRING}), array=True)
+    if not tokens:
+        raise ModelFormatError(f"GGUF key {KEY.LIST} is missing or empty")
+    n = len(tokens)
+    # llama.cpp renames empty tokens rather than failing; so do we.
+    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    types = _value(reader, KEY.TOKEN_TYPE, frozenset({gguf.GGUFValueType.INT32}), array=True)
+    types = _per_token(types, KEY.TOKEN_TYPE, n) or [int(TokenType.NORMAL)] * n
+    scores = _value(
+        reader, KEY.SCORES, frozenset({gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.INT32}), array=True
+    )
+    scores = _per_token(scores, KEY.SCORES, n)
+    merges = _value(reader, KEY.MERGES, frozenset({gguf.GGUFValueType.STRING}), array=True)
+    if model == "gpt2":
+        if merges is None:
+            raise ModelFormatError(f"GGUF key {KEY.MERGES} is missing; a gpt2 (BPE) tokenizer needs it")
+        add_bos_default = _pre_tokenizer(pre).add_bos
+    else:
+        add_bos_default = True  # llama.cpp's default for SPM
+
+    defaults = _DEFAULT_IDS[model]
+    bos = _special_id(reader, KEY.BOS_ID, defaults["bos"], n)
+    eos = _special_id(reader, KEY.EOS_ID, defaults["eos"], n)
+    if bos is None or eos is None:
+        missing = KEY.BOS_ID if bos is None else KEY.EOS_ID
+        raise ModelFormatError(f"GGUF key {missing} is missing and llama.cpp's default is outside the vocab")
+    add_bos = _bool(reader, KEY.ADD_BOS)
+    extra: dict = {}
+    add_space_prefix = _bool(reader, KEY.ADD_PREFIX)
+    if add_space_prefix is not None:
+        extra[KEY.ADD_PREFIX] = add_space_prefix
+
+    spec = TokenizerSpec(
+        model=model,
+        tokens=tokens,
+        token_types=[int(t) for t in types],
+        bos_id=bos,
+        eos_id=eos,
+        pre=pre,
+        scores=None if scores is None else [float(s) for s in scores],
+        merges=merges,
+        unk_id=_special_id(reader, KEY.UNK_ID, defaults["unk"], n),
+        pad_id=_special_id(reader, KEY.PAD_ID, None, n),
+        add_bos=add_bos_default if add_bos is None else add_bos,
+        extra=extra,
+    )
+    _validate(spec)
+    return spec
+
+
+def _validate(spec: TokenizerSpec) -> None:
+    _check_model(spec.model)
+    n = len(spec.tokens)
+    if n == 0:
+        raise ModelFormatError(f"{KEY.LIST} is empty")
+    if len(spec.token_types) != n:
+        raise ModelFormatError(f"{KEY.TOKEN_TYPE} has {len(spec.token_types)} entries for {n} tokens")
+    if spec.scores is not None and len(spec.scores) != n:
+        raise ModelFormatError(f"{KEY.SCORES} has {len(spec.scores)} entries for {n} tokens")
+    for key, value in ((KEY.BOS_ID, spec.bos_id), (KEY.EOS_ID, spec.eos_id)):
+        if not 0 <= value < n:
+            raise ModelFormatError(f"{key} = {value} is outside the vocab of {n} tokens")
+    seen: dict[str, int] = {}
+    for i, t in enumerate(spec.tokens):
+        if t in seen:
+            raise ModelFormatError(f"{KEY.LIST}: duplicate token {t!r} at ids {seen[t]} and {i}")
+        seen[t] = i
+    if spec.model == "gpt2":
+        _pre_tokenizer(spec.pre)
+        if spec.merges is None:
+            raise ModelFormatError(f"{KEY.MERGES} is missing; a gpt2 (BPE) tokenizer needs it")
+
+
+# --- token bytes ---------------------------------------------------------------------------------
+
+
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte alphabet, reversed: printable bytes stand for themselves, the rest for U+0100 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    others = (b for b in range(256) if b not in set(printable))
+    table |= {chr(256 + n): b for n, b in enumerate(others)}
+    return table
+
+
+_GPT2_BYTES = _gpt2_unicode_to_byte()
+
+
+def _byte_token_value(text: str, token_id: int) -> int:
+    if len(text) != 6 or not text.startswith("<0x") or not text.endswith(">"):
+        raise ModelFormatError(f"{KEY.LIST}: byte token {token_id} is {text!r}, not <0xXX>")
+    try:
+        return int(text[3:5], 16)
+    except ValueError:
+        raise ModelFormatError(f"{KEY.LIST}: byte token {token_id} is {text!r}, not <0xXX>") from None
+
+
+def _piece(spec: TokenizerSpec, token_id: int) -> bytes:
+    """llama.cpp's ``token_to_piece(id, special=false)``, as bytes."""
+    text, ttype = spec.tokens[token_id], spec.token_types[token_id]
+    if ttype == TokenType.USER_DEFINED:
+        return text.encode()
+    if ttype == TokenType.BYTE:
+        return bytes([_byte_token_value(text, token_id)])
+    if ttype != TokenType.NORMAL:  # control, unknown, unused, undefined: nothing
+        return b""
+    if spec.model == "llama":
+        return text.replace(SPACE_MARK, " ").encode()
+    out = bytearray()
+    for ch in text:
+        if ch in _GPT2_BYTES:
+            out.append(_GPT2_BYTES[ch])
+        else:  # llama.cpp's llama_decode_text marks characters outside the byte alphabet this way
+            out += b"[UNK_BYTE_0x" + ch.encode().hex().encode() + text.encode() + b"]"
+    return bytes(out)
+
+
+# --- building the HF tokenizer -------------------------------------------------------------------
+
+
+def _bpe_merges(spec: TokenizerSpec, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """``tokenizer.ggml.merges`` as pairs, in rank order, keeping what HF's BPE can hold.
+
+    llama.cpp splits each entry at its first space after position 0 and keeps the
+    first rank of a repeated pair; HF rejects pairs whose parts or result are not
+    tokens, which llama.cpp could only use on a broken vocab.
+    """
+    pairs: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    dropped = 0
+    for merge in spec.merges or ():
+        pos = merge.find(" ", 1)
+        pair = (merge[:pos], merge[pos + 1 :]) if pos > 0 else None
+        if pair is None or pair in seen:
+            continue
+        seen.add(pair)
+        if pair[0] in vocab and pair[1] in vocab and pair[0] + pair[1] in vocab:
+            pairs.append(pair)
+        else:
+            dropped += 1
+    if dropped:
+        log.warning("tokenizer.merges_dropped", count=dropped, reason="part or result not in vocab")
+    return pairs
+
+
+def _spm_merges(spec: TokenizerSpec, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split of every token into two tokens, best score first (HF's llama conversion).
+
+    llama.cpp merges the adjacent pair forming the highest-scoring token, leftmost on
+    a tie; ranking pairs by that score makes BPE do the same. Pairs forming tokens of
+    equal score are ordered by token id, which can differ from llama.cpp's leftmost
+    rule only when two such pairs are candidates at once.
+    """
+    scores = spec.scores or [0.0] * len(spec.tokens)
+    ranked: list[tuple[float, int, int, tuple[str, str]]] = []
+    for token, tid in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[tid], tid, cut, (left, right)))
+    ranked.sort()
+    return [pair for *_, pair in ranked]
+
+
+def _build_hf(spec: TokenizerSpec) -> HFTokenizer:
+    vocab = {t: i for i, t in enumerate(spec.tokens)}
+    if spec.model == "gpt2":
+        pre = _pre_tokenizer(spec.pre)
+        hf = HFTokenizer(BPE(vocab=vocab, merges=_bpe_merges(spec, vocab), ignore_merges=pre.ignore_merges))
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    else:
+        unk = spec.tokens[spec.unk_id] if spec.unk_id is not None else None
+        hf = HFTokenizer(
+            BPE(vocab=vocab, merges=_spm_merges(spec, vocab), unk_token=unk, fuse_unk=True, byte_fallback=True)
+        )
+        escape = normalizers.Replace(" ", SPACE_MARK)
+        if spec.extra.get(KEY.ADD_PREFIX, True):
+            # Prepend applies to each run of text between added tokens, as llama.cpp's dummy prefix does.
+            hf.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_MARK), escape])
+        else:
+            hf.normalizer = escape
+    # llama.cpp cuts user-defined tokens out of the text always, control/unknown ones only on request.
+    added = [
+        AddedToken(text, special=ttype != TokenType.USER_DEFINED, normalized=False)
+        for text, ttype in zip(spec.tokens, spec.token_types)
+        if ttype in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+    ]
+    hf.add_special_tokens(added)
+    return hf
+
+
+# --- public API ----------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """Text <-> token ids of one GGUF vocab, equal to llama.cpp's for the same file."""
+
+    def __init__(self, spec: TokenizerSpec) -> None:
+        _validate(spec)
+        self.spec = spec
+        self.vocab_size = len(spec.tokens)
+        self.bos_id = spec.bos_id
+        self.eos_id = spec.eos_id
+        self._pieces = [_piece(spec, i) for i in range(self.vocab_size)]
+        self._strip_prefix = spec.model == "llama" and spec.extra.get(KEY.ADD_PREFIX, True)
+        self._hf = _build_hf(spec)
+        self._hf.encode_special_tokens = True  # control tokens in user text stay text
+
+    @classmethod
+    def from_spec(cls, spec: TokenizerSpec) -> Tokenizer:
+        return cls(spec)
+
+    @cached_property
+    def _hf_special(self) -> HFTokenizer:
+        """A second HF tokenizer that turns control-token text into the control token."""
+        return _build_hf(self.spec)
+
+    def encode(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """Token ids of *text*; ``add_bos=None`` follows the file, ``special`` parses control tokens."""
+        ids = (self._hf_special if special else self._hf).encode(text, add_special_tokens=False).ids
+        if self.spec.add_bos if add_bos is None else add_bos:
+            return [self.bos_id, *ids]
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes *token_id* stands for (llama.cpp's piece); control tokens give b""."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocab of {self.vocab_size} tokens")
+        return self._pieces[token_id]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text *ids* stand for; undecodable bytes become U+FFFD.
+
+        For SentencePiece vocabs the dummy space ``encode`` put in front of the text is
+        dropped (also after a BOS, unlike ``llama_detokenize``), so that
+        ``decode(encode(s)) == s``.
+        """
+        data = b"".join(self.token_bytes(i) for i in ids)
+        if self._strip_prefix and data.startswith(b" "):
+            data = data[1:]
+        return data.decode("utf-8", errors="replace")
+
+
+class StreamDecoder:
+    """Text of tokens as they are generated, never splitting a UTF-8 character.
+
+    Emits llama.cpp's pieces as llama-cli prints them: a SentencePiece token's
+    leading space is kept, since streamed tokens continue text already shown.
+    """
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """The complete characters that *token_id* finishes ("" while one is still partial)."""
+        return self._utf8.decode(self._tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """End of stream: a trailing partial character becomes U+FFFD."""
+        return self._utf8.decode(b"", final=True)

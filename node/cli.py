@@ -1,0 +1,43 @@
+"""The `moeswarm` command. Library code raises; only this layer prints and exits."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from experts.errors import MoeSwarmError
+
+from .logs import configure_logging
+
+
+class _Group(click.Group):
+    """Turns every user-fixable error into one line on stderr and exit code 2, no traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except MoeSwarmError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except ValueError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group)
+@click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-json", is_flag=True, help="Structured JSON logs on stderr.")
+def main(log_level: str, log_json: bool) -> None:
+    """moeswarm: run Mixture-of-Experts models across a peer-to-peer swarm."""
+    configure_logging(log_level, json_logs=log_json)
+
+
+def emit_json(obj: dict) -> None:
+    click.echo(json.dumps(obj, indent=None, sort_keys=False))
+
+
+from . import cli_model, demo, bench  # noqa: E402  (subcommands register themselves on `main`)
+
+__all__ = ["main", "emit_json", "cli_model", "demo", "bench"]

@@ -1,0 +1,84 @@
+"""Model commands: slice, verify, model random."""
+
+from __future__ import annotations
+
+import click
+import gguf
+
+from experts.codecs import Codec
+from experts.errors import MoeSwarmError
+from experts.gguf_model import ExpertRange, GGUFModel
+from experts.random_model import SUPPORTED_QTYPES, random_config, write_random_model
+from experts.slices import check_slice, parse_range, write_slice
+
+from .cli import emit_json, main
+
+
+@main.command("slice")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--layers", required=True, help="Layer range, e.g. 0-3.")
+@click.option("--experts", "experts_", required=True, help="Expert range, e.g. 0-31.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
+def slice_cmd(model: str, layers: str, experts_: str, output: str) -> None:
+    """Write a self-contained slice (these layers x these experts) of MODEL."""
+    m = GGUFModel(model)
+    lr = parse_range(layers, m.cfg.n_layer, "layer")
+    er = parse_range(experts_, m.cfg.n_expert, "expert")
+    out = write_slice(m, lr, ExpertRange(er.start, er.stop), output)
+    sl = GGUFModel(out)
+    check_slice(sl, m.digest)
+    size = out.stat().st_size
+    click.echo(f"wrote {out}: layers {layers}, experts {experts_} of model {m.digest[:16]}... ({size / 1e6:.1f} MB of {m.path.stat().st_size / 1e6:.1f} MB)")
+
+
+@main.command("verify")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--wire", default="f32", show_default=True, type=click.Choice(["f32", "f16", "int8"]))
+@click.option("--reference", type=click.Choice(["llamacpp"]), default=None, help="Also compare with llama.cpp's logits.")
+@click.option("--groups", default=3, show_default=True, help="Expert groups (simulated workers) of the remote path.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def verify_cmd(model: str, wire: str, reference: str | None, groups: int, as_json: bool) -> None:
+    """Gate a wire codec for MODEL: remote path vs local path (and vs llama.cpp). Exit 0 only on pass."""
+    from experts.verify import run_gate
+
+    result = run_gate(GGUFModel(model), Codec.parse(wire), groups=groups, reference=reference)
+    if as_json:
+        emit_json(result)
+    else:
+        rl = result["remote_vs_local"]
+        click.echo(f"model {result['model_digest'][:16]}... wire {wire}: max|diff| {rl['max_abs_diff']:.3g}, min cosine {rl['min_cosine']:.7f}, "
+                   f"argmax {rl['argmax_agree']:.3f}, bit-identical {rl['bit_identical']} over {rl['positions']} positions")
+        if result["reference"]:
+            r = result["reference"]
+            click.echo(f"llama.cpp: min cosine {r['min_cosine']:.7f}, argmax {r['argmax_agree']:.3f} ({r['near_ties_excluded']} near ties excluded)")
+        click.echo(f"verdict: {result['verdict']}")
+    raise SystemExit(0 if result["verdict"] == "pass" else 1)
+
+
+@main.group("model")
+def model_group() -> None:
+    """Model files: generate random models for tests and benchmarks."""
+
+
+@model_group.command("random")
+@click.option("--arch", default="qwen3moe", show_default=True, type=click.Choice(["qwen2moe", "qwen3moe", "llama"]))
+@click.option("--layers", "n_layer", default=2, show_default=True)
+@click.option("--hidden", "n_embd", default=64, show_default=True)
+@click.option("--heads", "n_head", default=4, show_default=True)
+@click.option("--kv-heads", "n_head_kv", default=2, show_default=True)
+@click.option("--experts", "n_expert", default=8, show_default=True)
+@click.option("--top-k", "n_expert_used", default=2, show_default=True)
+@click.option("--expert-ffn", "n_ff_exp", default=32, show_default=True)
+@click.option("--shared-ffn", "n_ff_shexp", default=None, type=int, help="Shared expert width (qwen2moe; default 2x expert FFN).")
+@click.option("--qtype", default="F32", show_default=True, type=click.Choice(sorted(q.name for q in SUPPORTED_QTYPES)))
+@click.option("--seed", default=0, show_default=True)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
+def random_cmd(arch: str, output: str, qtype: str, seed: int, **shape: int) -> None:
+    """Write a random MoE model of any shape as GGUF (llama.cpp loads it)."""
+    cfg = random_config(arch, **shape)
+    write_random_model(output, cfg, qtype=gguf.GGMLQuantizationType[qtype], seed=seed)
+    m = GGUFModel(output)
+    click.echo(f"wrote {output}: {arch}, {cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_expert} experts top-{cfg.n_expert_used}, {qtype}, digest {m.digest[:16]}...")
+
+
+__all__ = ["slice_cmd", "verify_cmd", "random_cmd", "MoeSwarmError"]

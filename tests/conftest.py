@@ -1,0 +1,43 @@
+"""Shared fixtures: real GGUF files written per session (random weights, every supported arch)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import pytest
+
+from experts.random_model import random_config, write_random_model
+
+ARCHS = ("qwen2moe", "qwen3moe", "llama")
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    """Verdicts and keys written by a test stay in that test's directory."""
+    monkeypatch.setenv("MOESWARM_HOME", str(tmp_path / "home"))
+
+
+def make_model(directory: Path, arch: str, qtype=Q.F32, seed: int = 0, **shape) -> Path:
+    shape = {"n_embd": 64, "n_ff_exp": 32, "n_expert": 8, "n_expert_used": 2, **shape}
+    path = directory / f"{arch}-{qtype.name}-{seed}-{'-'.join(f'{k}{v}' for k, v in sorted(shape.items()))}.gguf"
+    if not path.exists():
+        write_random_model(path, random_config(arch, **shape), qtype=qtype, seed=seed)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def f32_models(model_dir) -> dict[str, Path]:
+    """One small F32 model per architecture (4 experts of 8 chosen: top-2 of 8)."""
+    return {arch: make_model(model_dir, arch) for arch in ARCHS}
+
+
+def pytest_configure(config):
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -1,0 +1,86 @@
+"""MoE math: routing as llama.cpp does it, batch invariance, and the protocol's summation order."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from experts.moe import TILE, Partition, combine, expert_ffn, grouped_moe, ordered_sum, partial_sum, route, ExpertSource
+
+
+class RandomExperts(ExpertSource):
+    def __init__(self, n_expert=8, d=48, ff=40, seed=0):
+        rng = np.random.default_rng(seed)
+        self.w = [tuple((rng.standard_normal(s) / 6).astype(np.float32) for s in ((ff, d), (ff, d), (d, ff))) for _ in range(n_expert)]
+
+    def weights(self, layer, expert):
+        return self.w[expert]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3 * TILE + 1), pos=st.integers(0, 100), seed=st.integers(0, 2**16))
+def test_expert_rows_do_not_depend_on_their_batch(n, pos, seed):
+    """A token's expert output is the same bits whatever other tokens share the batch."""
+    src = RandomExperts()
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 48)).astype(np.float32)
+    i = pos % n
+    alone = expert_ffn(x[i : i + 1], *src.weights(0, 3))
+    batched = expert_ffn(x, *src.weights(0, 3))
+    assert alone[0].tobytes() == batched[i].tobytes()
+
+
+def test_route_matches_softmax_topk_and_renormalises_when_asked():
+    """Slot 0 holds the highest probability; weights are probabilities, renormalised only if the arch does."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 10)).astype(np.float32) * 3
+    ids, w = route(logits, 3, norm_topk=False)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    for t in range(6):
+        assert list(ids[t]) == list(np.argsort(-p[t])[:3])
+        np.testing.assert_allclose(w[t], p[t, ids[t]], rtol=1e-6)
+    _, wn = route(logits, 3, norm_topk=True)
+    np.testing.assert_allclose(wn.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_ordered_sum_adds_present_terms_left_to_right():
+    """Absent terms are skipped, not added as zeros; order is index order."""
+    terms = np.array([[[1e8], [1.0], [-1e8]]], dtype=np.float32)
+    s, has = ordered_sum(terms, np.array([[True, True, True]]))
+    assert s[0, 0] == np.float32((np.float32(1e8) + np.float32(1.0)) + np.float32(-1e8))
+    s, has = ordered_sum(terms, np.array([[False, True, False]]))
+    assert s[0, 0] == 1.0 and has[0]
+    s, has = ordered_sum(terms, np.array([[False, False, False]]))
+    assert not has[0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(groups=st.integers(1, 8), n=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_grouped_equals_combining_partial_sums_computed_separately(groups, n, seed):
+    """Partial sums computed per group on only the tokens that need them combine to the local grouped result."""
+    src = RandomExperts()
+    part = Partition.even(8, groups)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 48)).astype(np.float32)
+    ids = np.stack([rng.choice(8, 4, replace=False) for _ in range(n)]).astype(np.int32)
+    w = rng.random((n, 4)).astype(np.float32)
+    local = grouped_moe(src, part, 0, x, ids, w)
+    partials = []
+    for g in range(len(part.bounds)):
+        held = part.held_mask(g, ids)
+        rows = held.any(1)
+        full = np.zeros_like(x)
+        if rows.any():
+            full[rows], _ = partial_sum(src, 0, x[rows], ids[rows], w[rows], held[rows])
+        partials.append((full, rows))
+    assert combine(partials).tobytes() == local.tobytes()
+
+
+def test_even_partition_covers_every_expert_once():
+    """Groups are contiguous, ordered and cover 0..n-1."""
+    for n, g in ((128, 3), (8, 8), (32, 5), (4, 10)):
+        b = Partition.even(n, g).bounds
+        assert b[0][0] == 0 and b[-1][1] == n
+        assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
