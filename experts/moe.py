@@ -32,7 +32,9 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
+    """x * sigmoid(x) as ggml computes it; exp overflow to inf gives the right limit (-0.0)."""
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(-x))
 
 
 def route(logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:

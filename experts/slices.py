@@ -123,17 +123,22 @@ class ExpertStore(ExpertSource):
             raise SliceError(f"layers {self.layers.start}-{self.layers.stop - 1} are not in {model.path} (it has {model.layers.start}-{model.layers.stop - 1})")
         if self.experts.start < model.experts.start or self.experts.stop > model.experts.stop:
             raise SliceError(f"experts {self.experts} are not in {model.path} (it has {model.experts})")
-        cfg = model.cfg
-        per_expert = 3 * cfg.n_ff_exp * cfg.n_embd * 4
-        need = per_expert * len(self.layers) * len(self.experts)
-        mode = "cached" if memory_budget is None or need <= memory_budget else "on-the-fly"
-        self.plan = LoadPlan(mode, need, memory_budget)
+        self.plan = self.plan_for(model, memory_budget, self.layers, self.experts)
+        mode, need = self.plan.mode, self.plan.cached_bytes
         self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         if mode == "cached":
             for i in self.layers:
                 for e in range(self.experts.start, self.experts.stop):
                     self._cache[(i, e)] = model.expert_weights(i, e)
         log.info("experts.loaded", path=str(model.path), layers=f"{self.layers.start}-{self.layers.stop - 1}", experts=str(self.experts), mode=mode, float_bytes=need, budget=memory_budget)
+
+    @staticmethod
+    def plan_for(model: GGUFModel, memory_budget: int | None, layers: range | None = None, experts: ExpertRange | None = None) -> LoadPlan:
+        """Cached when every hosted expert fits the budget in float32, else on-the-fly."""
+        cfg = model.cfg
+        n = len(layers if layers is not None else model.layers) * len(experts or model.experts)
+        need = 3 * cfg.n_ff_exp * cfg.n_embd * 4 * n
+        return LoadPlan("cached" if memory_budget is None or need <= memory_budget else "on-the-fly", need, memory_budget)
 
     def holds(self, layer: int, expert: int) -> bool:
         return layer in self.layers and expert in self.experts

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import sys
+import os
 
-import click
+# Before numpy loads: one BLAS thread per process is faster and steadier for the small
+# matmuls of a MoE layer on few cores, and several node processes share a machine.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from experts.errors import MoeSwarmError
+import json  # noqa: E402
+import sys  # noqa: E402
 
-from .logs import configure_logging
+import click  # noqa: E402
+
+from experts.errors import MoeSwarmError  # noqa: E402
+
+from .logs import configure_logging  # noqa: E402
 
 
 class _Group(click.Group):

@@ -55,6 +55,54 @@ def verify_cmd(model: str, wire: str, reference: str | None, groups: int, as_jso
     raise SystemExit(0 if result["verdict"] == "pass" else 1)
 
 
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5G', '4096' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size such as 512M or 2G") from None
+
+
+@main.command("inspect")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--memory-budget", default=None, help="RAM for dequantized experts, e.g. 512M; decides cached vs on-the-fly.")
+@click.option("--against", type=click.Path(dir_okay=False), help="For a slice: the full model it must have been cut from.")
+@click.option("--json", "as_json", is_flag=True)
+def inspect_cmd(model: str, memory_budget: str | None, against: str | None, as_json: bool) -> None:
+    """Show a model's or slice's configuration, digest and how its experts would load."""
+    from dataclasses import asdict
+
+    from experts.slices import ExpertStore
+
+    m = GGUFModel(model)
+    if m.is_slice:
+        check_slice(m, GGUFModel(against).digest if against else None)
+    elif against:
+        raise MoeSwarmError(f"{model} is a full model, not a slice; --against only applies to slices")
+    budget = parse_size(memory_budget) if memory_budget else None
+    plan = ExpertStore.plan_for(m, budget)
+    info = {
+        "path": str(m.path),
+        "model_digest": m.digest,
+        "slice": m.is_slice,
+        "layers": f"{m.layers.start}-{m.layers.stop - 1}",
+        "experts": str(m.experts),
+        "config": asdict(m.cfg),
+        "load": asdict(plan),
+    }
+    if as_json:
+        emit_json(info)
+        return
+    kind = "slice of model" if m.is_slice else "model"
+    click.echo(f"{m.path.name}: {kind} {m.digest[:16]}..., {m.cfg.arch}, layers {info['layers']}, experts {info['experts']}")
+    c = m.cfg
+    click.echo(f"hidden {c.n_embd}, {c.n_layer} layers, {c.n_expert} experts top-{c.n_expert_used}, expert FFN {c.n_ff_exp}, shared FFN {c.n_ff_shexp}")
+    click.echo(f"experts load {plan.mode}: {plan.cached_bytes / 2**20:.1f} MiB dequantized vs budget "
+               + (f"{plan.budget / 2**20:.1f} MiB" if plan.budget is not None else "unlimited"))
+
+
 @main.group("model")
 def model_group() -> None:
     """Model files: generate random models for tests and benchmarks."""
@@ -81,4 +129,4 @@ def random_cmd(arch: str, output: str, qtype: str, seed: int, **shape: int) -> N
     click.echo(f"wrote {output}: {arch}, {cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_expert} experts top-{cfg.n_expert_used}, {qtype}, digest {m.digest[:16]}...")
 
 
-__all__ = ["slice_cmd", "verify_cmd", "random_cmd", "MoeSwarmError"]
+__all__ = ["slice_cmd", "verify_cmd", "random_cmd", "inspect_cmd"]

@@ -1,0 +1,70 @@
+"""The `moeswarm` command on bad input: one clear line on stderr, non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ..conftest import make_model
+
+CLI = [sys.executable, "-m", "node"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("error: ")
+    for n in needles:
+        assert n in lines[0]
+
+
+@pytest.fixture(scope="module")
+def files(model_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    good = make_model(model_dir, "qwen2moe")
+    other = make_model(model_dir, "qwen2moe", seed=3)
+    truncated = d / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[:-777])
+    wrong_arch = d / "wrong.gguf"
+    import gguf
+
+    w = gguf.GGUFWriter(str(wrong_arch), "rwkv6")
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    sl = d / "slice.gguf"
+    assert run("slice", str(other), "--layers", "0-1", "--experts", "0-3", "-o", str(sl)).returncode == 0
+    return {"good": good, "truncated": truncated, "wrong_arch": wrong_arch, "other_slice": sl}
+
+
+def test_truncated_gguf(files):
+    """A truncated file is named as truncated."""
+    assert_one_line_error(run("inspect", str(files["truncated"])), "truncated")
+
+
+def test_wrong_arch(files):
+    """An unsupported architecture is named, with the supported list."""
+    assert_one_line_error(run("verify", str(files["wrong_arch"])), "rwkv6", "qwen2moe")
+
+
+def test_expert_range_out_of_bounds(files, tmp_path):
+    """Asking for experts the model does not have says which exist."""
+    p = run("slice", str(files["good"]), "--layers", "0-1", "--experts", "4-12", "-o", str(tmp_path / "s.gguf"))
+    assert_one_line_error(p, "4-12", "0-7")
+    assert not (tmp_path / "s.gguf").exists()
+
+
+def test_slice_of_a_different_model(files):
+    """A slice checked against a model it was not cut from is refused, naming both digests."""
+    assert_one_line_error(run("inspect", str(files["other_slice"]), "--against", str(files["good"])), "was cut from model")
+
+
+def test_missing_file():
+    """A path that does not exist is reported as such."""
+    assert_one_line_error(run("inspect", "/nonexistent/model.gguf"), "does not exist")
