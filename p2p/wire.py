@@ -1,0 +1,711 @@
+"""The dispatch wire protocol: the messages a backbone and a worker exchange, one request and one reply per QUIC stream.
+
+This module is the protocol spec and its only implementation. It moves no bytes (the transport does) and interprets
+no tensors (the codecs do): hidden states and partial sums are opaque payload bytes here. Every message is a frozen
+dataclass that validates itself on construction, so a value that exists can be encoded, and ``decode(m.encode()) == m``.
+
+Little-endian throughout. Every message is a header followed by a body of ``body_len`` bytes::
+
+    Header (11 bytes)
+    off  size  field      value
+    0    3     magic      b"MSW"
+    3    1     version    u8; 1 is the only version this module speaks
+    4    1     type       u8; MsgType (0 reserved; numbers are never reused)
+    5    2     flags      u16; must be 0 for every type below (no flag is defined)
+    7    4     body_len   u32; HEADER_LEN + body_len <= MAX_MESSAGE, and the data ends exactly there
+
+    HELLO (1), HELLO_ACK (2): capabilities; a worker answers a Hello with a HelloAck, same layout
+    size         field       value
+    1            role        u8; Role
+    1            n_versions  u8; >= 1
+    n_versions   versions    u8 each; protocol versions spoken, each >= 1
+    1            n_codecs    u8; >= 1
+    n_codecs     codecs      u8 each; codec numbers spoken (may include ones the receiver does not know)
+    1            n_models    u8; <= MAX_MODELS
+    32*n_models  models      32-byte model digests served
+
+    DISPATCH_REQUEST (3): one layer's routed tokens for one worker
+    size         field           value
+    16           dispatch_id     correlates the reply
+    32           model_digest    raw digest of the model
+    2            layer           u16
+    1            codec           u8; Codec of `hidden`
+    1            top_k           u8; 1..MAX_TOP_K
+    2            n_tokens        u16; 1..MAX_TOKENS
+    8            sent_at_us      u64; sender's clock
+    1            backbone_len    u8; <= MAX_PEER_ID, 0 = absent
+    backbone_len backbone_id     peer id bytes of the backbone
+    2*S          expert_ids      i16 each, S = n_tokens*top_k, token-major; -1 = slot not for this worker;
+                                 no expert twice within one token
+    4*S          router_weights  f32 each, finite
+    4            hidden_len      u32; >= 1
+    hidden_len   hidden          codec-encoded hidden states
+
+    DISPATCH_REPLY (4): one weighted partial sum per token
+    size         field           value
+    16           dispatch_id
+    1            codec           u8; Codec of `partial`
+    2            n_tokens        u16; 1..MAX_TOKENS
+    4            compute_us      u32; worker compute time
+    4            partial_len     u32; >= 1
+    partial_len  partial         codec-encoded partial sums
+    2            receipt_len     u16; <= MAX_RECEIPT
+    receipt_len  receipt         opaque (signed elsewhere); may be empty
+
+    ERROR_REPLY (5)
+    size         field           value
+    16           dispatch_id     all zero when the request's id is unknown
+    1            code            u8; ErrorCode
+    2            message_len     u16; <= MAX_ERROR_TEXT
+    message_len  message         UTF-8
+
+    PING (6), PONG (7): a Pong echoes its Ping, so the pinger needs no state to measure the round trip
+    size  field       value
+    8     nonce       u64
+    8     sent_at_us  u64; the pinger's clock
+
+A type this module does not know decodes to ``Unknown`` (flags and body kept), never an error: the receiver decides.
+Hello and HelloAck are framed as version 1 forever, so peers of any version can negotiate; every other message uses
+the negotiated version. In every version a DispatchRequest body starts with its dispatch id (``peek_dispatch_id``).
+
+Limits: MAX_MESSAGE 64 MiB (header included), MAX_TOKENS 4096, MAX_TOP_K 64, MAX_ERROR_TEXT 1024 bytes, MAX_RECEIPT
+4096 bytes, MAX_PEER_ID 64 bytes, MAX_MODELS 64. They are checked before anything is sliced or allocated. Every
+violation raises a ``ProtocolError`` subclass that names the field and carries the ``ErrorCode`` to answer it with
+(``error_reply_for``); ``peek_dispatch_id`` finds the id to put in that reply even in a request that did not decode.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar, Self
+
+__all__ = [
+    "DIGEST_LEN", "DISPATCH_ID_LEN", "HEADER_LEN", "MAGIC", "MAX_ERROR_TEXT", "MAX_MESSAGE", "MAX_MODELS",
+    "MAX_PEER_ID", "MAX_RECEIPT", "MAX_TOKENS", "MAX_TOP_K", "SUPPORTED_VERSIONS", "VERSION", "ZERO_ID", "BadCodec",
+    "Codec", "DispatchReply", "DispatchRequest", "ErrorCode", "ErrorReply", "Header", "Hello", "HelloAck",
+    "InvalidField", "Message", "MsgType", "Ping", "Pong", "ProtocolError", "Role", "TooLarge", "Truncated",
+    "Unknown", "UnsupportedVersion", "decode", "decode_header", "error_reply_for", "negotiate", "peek_dispatch_id",
+]
+
+MAGIC = b"MSW"
+VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+HEADER_LEN = 11
+DISPATCH_ID_LEN = 16
+DIGEST_LEN = 32
+ZERO_ID = bytes(DISPATCH_ID_LEN)
+
+MAX_MESSAGE = 64 * 1024 * 1024  # header included
+MAX_TOKENS = 4096
+MAX_TOP_K = 64
+MAX_ERROR_TEXT = 1024  # UTF-8 bytes
+MAX_RECEIPT = 4096
+MAX_PEER_ID = 64
+MAX_MODELS = 64
+
+_HEADER = struct.Struct("<3sBBHI")
+_U8, _U16, _U32, _U64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q"))
+
+
+class MsgType(IntEnum):
+    """Message types of this protocol; a number, once used, is never reused (0 is reserved)."""
+
+    HELLO = 1
+    HELLO_ACK = 2
+    DISPATCH_REQUEST = 3
+    DISPATCH_REPLY = 4
+    ERROR_REPLY = 5
+    PING = 6
+    PONG = 7
+
+
+class Codec(IntEnum):
+    """How a payload's floats are encoded (the codecs themselves live in ``experts/``)."""
+
+    F32 = 0
+    F16 = 1
+    INT8 = 2
+
+
+class Role(IntEnum):
+    """What a peer does in the swarm (0 reserved)."""
+
+    BACKBONE = 1
+    WORKER = 2
+
+
+class ErrorCode(IntEnum):
+    """Why a request was refused (0 reserved)."""
+
+    MALFORMED = 1
+    UNSUPPORTED_VERSION = 2
+    UNKNOWN_MODEL = 3
+    NOT_HOSTED = 4
+    BAD_CODEC = 5
+    TOO_LARGE = 6
+    OVERLOADED = 7
+    INTERNAL = 8
+
+
+class ProtocolError(ValueError):
+    """A message breaks this protocol. ``field`` names the part at fault; ``error_code`` is the code to answer with.
+
+    Raised by ``decode`` when a peer sends such bytes, and by the constructors when local code builds such a value.
+    """
+
+    error_code: ClassVar[ErrorCode] = ErrorCode.MALFORMED
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+        self.detail = detail
+
+
+class Truncated(ProtocolError):
+    """The data ends inside ``field``."""
+
+
+class InvalidField(ProtocolError):
+    """``field`` holds a value the protocol forbids, or one that disagrees with another field."""
+
+
+class BadCodec(InvalidField):
+    """A payload claims a codec this side does not know."""
+
+    error_code = ErrorCode.BAD_CODEC
+
+
+class TooLarge(ProtocolError):
+    """``field`` exceeds a hard limit; ``size`` and ``limit`` say by how much."""
+
+    error_code = ErrorCode.TOO_LARGE
+
+    def __init__(self, field: str, size: int, limit: int) -> None:
+        super().__init__(field, f"{size} exceeds the limit of {limit}")
+        self.size = size
+        self.limit = limit
+
+
+class UnsupportedVersion(ProtocolError):
+    """A message (or a peer's Hello) uses only protocol versions this side does not speak."""
+
+    error_code = ErrorCode.UNSUPPORTED_VERSION
+
+
+# --- field checks, shared by the constructors and the decoder -------------------------------------------------------
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # normalise a field of a frozen dataclass in __post_init__
+
+
+def _int(field: str, value: object, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidField(field, f"expected an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise InvalidField(field, f"{value} is outside [{lo}, {hi}]")
+    return value
+
+
+def _count(field: str, value: object, lo: int, limit: int) -> int:
+    """A count or length: above ``limit`` is too large, below ``lo`` (or not an integer) is malformed."""
+    if isinstance(value, int) and value > limit:
+        raise TooLarge(field, value, limit)
+    return _int(field, value, lo, limit)
+
+
+def _bytes(field: str, value: object, lo: int, limit: int) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidField(field, f"expected bytes, got {type(value).__name__}")
+    value = bytes(value)
+    if lo == limit and len(value) != lo:
+        raise InvalidField(field, f"must be {lo} bytes, got {len(value)}")
+    _count(field, len(value), lo, limit)
+    return value
+
+
+def _enum(enum: type[IntEnum], field: str, value: object, error: type[InvalidField] = InvalidField) -> IntEnum:
+    try:
+        return enum(value)
+    except ValueError:
+        raise error(field, f"{value!r} is not a known {enum.__name__}") from None
+
+
+def _as_wire(field: str, code: str, values: object) -> tuple:
+    """``values`` exactly as they will decode from a little-endian array of struct type ``code`` (e.g. f32-rounded)."""
+    values = tuple(values)  # type: ignore[arg-type]
+    fmt = f"<{len(values)}{code}"
+    try:
+        return struct.unpack(fmt, struct.pack(fmt, *values))
+    except (struct.error, OverflowError) as exc:
+        raise InvalidField(field, f"does not fit the wire type ({exc})") from None
+
+
+def _check_total(message: _Message) -> None:
+    if message.encoded_len() > MAX_MESSAGE:
+        raise TooLarge("message", message.encoded_len(), MAX_MESSAGE)
+
+
+class _Reader:
+    """Reads a body front to back; every read checks that its bytes are present before slicing."""
+
+    __slots__ = ("_view", "_pos")
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def _advance(self, n: int, field: str) -> int:
+        start = self._pos
+        left = len(self._view) - start
+        if n > left:
+            raise Truncated(field, f"needs {n} bytes, {left} left")
+        self._pos = start + n
+        return start
+
+    def bytes(self, n: int, field: str) -> bytes:
+        start = self._advance(n, field)
+        return bytes(self._view[start : start + n])
+
+    def int(self, fmt: struct.Struct, field: str) -> int:
+        return fmt.unpack_from(self._view, self._advance(fmt.size, field))[0]
+
+    def sized(self, len_fmt: struct.Struct, lo: int, limit: int, field: str) -> bytes:
+        """A length-prefixed byte string, its length checked against ``lo`` and ``limit`` before slicing."""
+        return self.bytes(_count(field, self.int(len_fmt, field), lo, limit), field)
+
+    def array(self, code: str, count: int, field: str) -> tuple:
+        fmt = struct.Struct(f"<{count}{code}")
+        return fmt.unpack_from(self._view, self._advance(fmt.size, field))
+
+    def finish(self) -> None:
+        left = len(self._view) - self._pos
+        if left:
+            raise InvalidField("body", f"{left} bytes after the last field")
+
+
+class _Message:
+    """Header framing shared by every message; subclasses give the body."""
+
+    TYPE: ClassVar[int]
+    flags: int = 0  # only Unknown carries flags: no flag is defined for the known types
+
+    def encode(self) -> bytes:
+        header = _HEADER.pack(MAGIC, VERSION, self.TYPE, self.flags, self._body_len())
+        return b"".join((header, *self._body_parts()))  # one copy of the payload, not two
+
+    def encoded_len(self) -> int:
+        return HEADER_LEN + self._body_len()
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        raise NotImplementedError
+
+    def _body_len(self) -> int:
+        raise NotImplementedError
+
+
+# --- messages --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Capabilities(_Message):
+    """What a peer speaks and serves; Hello and HelloAck share it."""
+
+    role: Role
+    versions: tuple[int, ...]
+    codecs: tuple[int, ...]
+    models: tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        _set(self, "role", _enum(Role, "role", self.role))
+        _set(self, "versions", self._small_ints("versions", self.versions, 1))
+        _set(self, "codecs", self._small_ints("codecs", self.codecs, 0))
+        models = tuple(self.models)
+        _count("models", len(models), 0, MAX_MODELS)
+        _set(self, "models", tuple(_bytes("models", m, DIGEST_LEN, DIGEST_LEN) for m in models))
+
+    @staticmethod
+    def _small_ints(field: str, values: object, lo: int) -> tuple[int, ...]:
+        values = tuple(values)  # type: ignore[arg-type]
+        _count(field, len(values), 1, 255)
+        return tuple(int(_int(field, v, lo, 255)) for v in values)
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        lists = (len(self.versions), *self.versions, len(self.codecs), *self.codecs, len(self.models))
+        return (bytes((self.role, *lists)), *self.models)
+
+    def _body_len(self) -> int:
+        return 4 + len(self.versions) + len(self.codecs) + DIGEST_LEN * len(self.models)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        role = _enum(Role, "role", r.int(_U8, "role"))
+        versions = r.array("B", _count("versions", r.int(_U8, "versions"), 1, 255), "versions")
+        codecs = r.array("B", _count("codecs", r.int(_U8, "codecs"), 1, 255), "codecs")
+        n_models = _count("models", r.int(_U8, "models"), 0, MAX_MODELS)
+        return cls(role, versions, codecs, tuple(r.bytes(DIGEST_LEN, "models") for _ in range(n_models)))
+
+
+@dataclass(frozen=True)
+class Hello(_Capabilities):
+    """Opens a connection: the sender's role, protocol versions, codecs and served model digests."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+
+
+@dataclass(frozen=True)
+class HelloAck(_Capabilities):
+    """Answers a Hello with the receiver's own capabilities; both sides then ``negotiate``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO_ACK
+
+
+@dataclass(frozen=True)
+class DispatchRequest(_Message):
+    """One MoE layer's routed tokens for one worker: which experts, with which router weights, on which states."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DISPATCH_REQUEST
+    _FIXED: ClassVar[int] = DISPATCH_ID_LEN + DIGEST_LEN + 2 + 1 + 1 + 2 + 8 + 1 + 4
+
+    dispatch_id: bytes
+    model_digest: bytes
+    layer: int
+    codec: Codec
+    n_tokens: int
+    top_k: int
+    expert_ids: tuple[int, ...]  # n_tokens*top_k, token-major; -1 = slot not for this worker
+    router_weights: tuple[float, ...]  # n_tokens*top_k, as float32 (normalised on construction)
+    hidden: bytes
+    sent_at_us: int
+    backbone_id: bytes = b""  # empty = absent
+
+    def __post_init__(self) -> None:
+        _set(self, "dispatch_id", _bytes("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
+        _set(self, "model_digest", _bytes("model_digest", self.model_digest, DIGEST_LEN, DIGEST_LEN))
+        _int("layer", self.layer, 0, 0xFFFF)
+        _set(self, "codec", _enum(Codec, "codec", self.codec, BadCodec))
+        _count("n_tokens", self.n_tokens, 1, MAX_TOKENS)
+        _count("top_k", self.top_k, 1, MAX_TOP_K)
+        slots = self.n_tokens * self.top_k
+        _set(self, "expert_ids", self._check_experts(self.expert_ids, self.top_k, slots))
+        _set(self, "router_weights", self._check_weights(self.router_weights, slots))
+        _set(self, "hidden", _bytes("hidden", self.hidden, 1, MAX_MESSAGE))
+        _int("sent_at_us", self.sent_at_us, 0, 2**64 - 1)
+        _set(self, "backbone_id", _bytes("backbone_id", self.backbone_id, 0, MAX_PEER_ID))
+        _check_total(self)
+
+    @staticmethod
+    def _check_experts(values: object, top_k: int, slots: int) -> tuple[int, ...]:
+        ids = _as_wire("expert_ids", "h", values)
+        if len(ids) != slots:
+            raise InvalidField("expert_ids", f"{len(ids)} ids for n_tokens*top_k = {slots} slots")
+        if min(ids) < -1:
+            raise InvalidField("expert_ids", f"expert id {min(ids)} is below -1")
+        for start in range(0, slots, top_k):
+            chosen = [e for e in ids[start : start + top_k] if e != -1]
+            if len(set(chosen)) != len(chosen):
+                raise InvalidField("expert_ids", f"token {start // top_k} names an expert twice: {chosen}")
+        return ids
+
+    @staticmethod
+    def _check_weights(values: object, slots: int) -> tuple[float, ...]:
+        weights = _as_wire("router_weights", "f", values)
+        if len(weights) != slots:
+            raise InvalidField("router_weights", f"{len(weights)} weights for n_tokens*top_k = {slots} slots")
+        for i, w in enumerate(weights):
+            if not math.isfinite(w):
+                raise InvalidField("router_weights", f"weight {i} is {w}")
+        return weights
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        slots = len(self.expert_ids)
+        return (
+            self.dispatch_id,
+            self.model_digest,
+            struct.pack(
+                "<HBBHQB", self.layer, self.codec, self.top_k, self.n_tokens, self.sent_at_us, len(self.backbone_id)
+            ),
+            self.backbone_id,
+            struct.pack(f"<{slots}h", *self.expert_ids),
+            struct.pack(f"<{slots}f", *self.router_weights),
+            _U32.pack(len(self.hidden)),
+            self.hidden,
+        )
+
+    def _body_len(self) -> int:
+        return self._FIXED + len(self.backbone_id) + 6 * len(self.expert_ids) + len(self.hidden)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
+        model_digest = r.bytes(DIGEST_LEN, "model_digest")
+        layer = r.int(_U16, "layer")
+        codec = _enum(Codec, "codec", r.int(_U8, "codec"), BadCodec)
+        top_k = _count("top_k", r.int(_U8, "top_k"), 1, MAX_TOP_K)
+        n_tokens = _count("n_tokens", r.int(_U16, "n_tokens"), 1, MAX_TOKENS)
+        sent_at_us = r.int(_U64, "sent_at_us")
+        backbone_id = r.sized(_U8, 0, MAX_PEER_ID, "backbone_id")
+        expert_ids = r.array("h", n_tokens * top_k, "expert_ids")
+        router_weights = r.array("f", n_tokens * top_k, "router_weights")
+        hidden = r.sized(_U32, 1, MAX_MESSAGE, "hidden")
+        return cls(
+            dispatch_id, model_digest, layer, codec, n_tokens, top_k, expert_ids, router_weights, hidden, sent_at_us,
+            backbone_id,
+        )
+
+
+@dataclass(frozen=True)
+class DispatchReply(_Message):
+    """A worker's answer: per token, the router-weighted sum of its hosted experts' outputs."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DISPATCH_REPLY
+    _FIXED: ClassVar[int] = DISPATCH_ID_LEN + 1 + 2 + 4 + 4 + 2
+
+    dispatch_id: bytes
+    codec: Codec
+    n_tokens: int
+    partial: bytes
+    compute_us: int
+    receipt: bytes = b""
+
+    def __post_init__(self) -> None:
+        _set(self, "dispatch_id", _bytes("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
+        _set(self, "codec", _enum(Codec, "codec", self.codec, BadCodec))
+        _count("n_tokens", self.n_tokens, 1, MAX_TOKENS)
+        _set(self, "partial", _bytes("partial", self.partial, 1, MAX_MESSAGE))
+        _int("compute_us", self.compute_us, 0, 0xFFFFFFFF)
+        _set(self, "receipt", _bytes("receipt", self.receipt, 0, MAX_RECEIPT))
+        _check_total(self)
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        return (
+            self.dispatch_id,
+            struct.pack("<BHII", self.codec, self.n_tokens, self.compute_us, len(self.partial)),
+            self.partial,
+            _U16.pack(len(self.receipt)),
+            self.receipt,
+        )
+
+    def _body_len(self) -> int:
+        return self._FIXED + len(self.partial) + len(self.receipt)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
+        codec = _enum(Codec, "codec", r.int(_U8, "codec"), BadCodec)
+        n_tokens = _count("n_tokens", r.int(_U16, "n_tokens"), 1, MAX_TOKENS)
+        compute_us = r.int(_U32, "compute_us")
+        partial = r.sized(_U32, 1, MAX_MESSAGE, "partial")
+        receipt = r.sized(_U16, 0, MAX_RECEIPT, "receipt")
+        return cls(dispatch_id, codec, n_tokens, partial, compute_us, receipt)
+
+
+@dataclass(frozen=True)
+class ErrorReply(_Message):
+    """A refusal: which request (zero id if unknown), why (code) and a bounded human-readable message."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR_REPLY
+
+    dispatch_id: bytes
+    code: ErrorCode
+    message: str
+
+    def __post_init__(self) -> None:
+        _set(self, "dispatch_id", _bytes("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
+        _set(self, "code", _enum(ErrorCode, "code", self.code))
+        if not isinstance(self.message, str):
+            raise InvalidField("message", f"expected str, got {type(self.message).__name__}")
+        try:
+            _count("message", len(self.message.encode()), 0, MAX_ERROR_TEXT)
+        except UnicodeEncodeError:
+            raise InvalidField("message", "is not encodable as UTF-8") from None
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        text = self.message.encode()
+        return self.dispatch_id, struct.pack("<BH", self.code, len(text)), text
+
+    def _body_len(self) -> int:
+        return DISPATCH_ID_LEN + 3 + len(self.message.encode())
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
+        code = _enum(ErrorCode, "code", r.int(_U8, "code"))
+        try:
+            message = r.sized(_U16, 0, MAX_ERROR_TEXT, "message").decode()
+        except UnicodeDecodeError:
+            raise InvalidField("message", "is not valid UTF-8") from None
+        return cls(dispatch_id, code, message)
+
+
+@dataclass(frozen=True)
+class _Echo(_Message):
+    """A nonce and the pinger's clock; Ping and Pong share it."""
+
+    nonce: int
+    sent_at_us: int
+
+    def __post_init__(self) -> None:
+        _int("nonce", self.nonce, 0, 2**64 - 1)
+        _int("sent_at_us", self.sent_at_us, 0, 2**64 - 1)
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        return (struct.pack("<QQ", self.nonce, self.sent_at_us),)
+
+    def _body_len(self) -> int:
+        return 16
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.int(_U64, "nonce"), r.int(_U64, "sent_at_us"))
+
+
+@dataclass(frozen=True)
+class Ping(_Echo):
+    """Asks for a Pong; ``sent_at_us`` is the pinger's clock."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PING
+
+
+@dataclass(frozen=True)
+class Pong(_Echo):
+    """Echoes a Ping's nonce and clock, so the round trip is ``now - pong.sent_at_us`` on the pinger's clock."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PONG
+
+    @classmethod
+    def answering(cls, ping: Ping) -> Pong:
+        return cls(ping.nonce, ping.sent_at_us)
+
+
+@dataclass(frozen=True)
+class Unknown(_Message):
+    """A message of a type this side does not know, kept whole so the caller can ignore, log or refuse it."""
+
+    msg_type: int
+    body: bytes
+    flags: int = 0
+
+    def __post_init__(self) -> None:
+        _int("msg_type", self.msg_type, 0, 255)
+        if self.msg_type in _TYPES:
+            raise InvalidField("msg_type", f"{MsgType(self.msg_type).name} is a known type")
+        _int("flags", self.flags, 0, 0xFFFF)
+        _set(self, "body", _bytes("body", self.body, 0, MAX_MESSAGE - HEADER_LEN))
+
+    @property
+    def TYPE(self) -> int:  # type: ignore[override]  # noqa: N802 - the per-instance counterpart of the class constant
+        return self.msg_type
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        return (self.body,)
+
+    def _body_len(self) -> int:
+        return len(self.body)
+
+
+Message = Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | Unknown
+
+_TYPES: dict[int, type[Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong]] = {
+    cls.TYPE: cls for cls in (Hello, HelloAck, DispatchRequest, DispatchReply, ErrorReply, Ping, Pong)
+}
+
+
+# --- decoding --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Header:
+    """A checked message header; a transport may read it first to refuse an oversized message before buffering it."""
+
+    version: int
+    msg_type: int
+    flags: int
+    body_len: int
+
+    @property
+    def total_len(self) -> int:
+        return HEADER_LEN + self.body_len
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> Header:
+    """Checks the first HEADER_LEN bytes of ``data``: magic, version and the size limit (not the type or flags)."""
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER_LEN:
+        raise Truncated("header", f"needs {HEADER_LEN} bytes, got {len(view)}")
+    magic, version, msg_type, flags, body_len = _HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise InvalidField("magic", f"{magic!r} is not {MAGIC!r}")
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion("version", f"{version} is not spoken here (this side speaks {SUPPORTED_VERSIONS})")
+    if HEADER_LEN + body_len > MAX_MESSAGE:
+        raise TooLarge("body_len", HEADER_LEN + body_len, MAX_MESSAGE)
+    return Header(version, msg_type, flags, body_len)
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Decodes exactly one message that fills ``data``; raises a ProtocolError subclass for anything malformed."""
+    view = memoryview(data).cast("B")
+    header = decode_header(view)
+    if len(view) < header.total_len:
+        raise Truncated("body", f"body_len is {header.body_len}, {len(view) - HEADER_LEN} bytes present")
+    if len(view) > header.total_len:
+        raise InvalidField("body_len", f"{len(view) - header.total_len} bytes follow the body")
+    body = view[HEADER_LEN:]
+    cls = _TYPES.get(header.msg_type)
+    if cls is None:
+        return Unknown(header.msg_type, bytes(body), header.flags)
+    if header.flags:
+        raise InvalidField("flags", f"{header.flags:#06x} set on {cls.__name__}; no flag is defined")
+    reader = _Reader(body)
+    message = cls._decode(reader)
+    reader.finish()
+    return message
+
+
+def peek_dispatch_id(data: bytes | bytearray | memoryview) -> bytes:
+    """Best effort: the dispatch id of anything that starts like a DispatchRequest (any version), else ZERO_ID.
+
+    Lets a worker correlate its ErrorReply with a request it could not decode.
+    """
+    view = memoryview(data).cast("B")
+    if (
+        len(view) >= HEADER_LEN + DISPATCH_ID_LEN
+        and view[: len(MAGIC)] == MAGIC
+        and view[4] == MsgType.DISPATCH_REQUEST
+    ):
+        return bytes(view[HEADER_LEN : HEADER_LEN + DISPATCH_ID_LEN])
+    return ZERO_ID
+
+
+def error_reply_for(exc: BaseException, dispatch_id: bytes = ZERO_ID) -> ErrorReply:
+    """The ErrorReply that answers ``exc``.
+
+    An exception with an ``ErrorCode`` in ``error_code`` (every ProtocolError; worker errors such as an unknown model
+    may carry one too) is answered with that code and its text, clipped to MAX_ERROR_TEXT. Anything else is INTERNAL
+    and only its class name is sent: an unexpected failure's text may reveal local details.
+    """
+    code = getattr(exc, "error_code", None)
+    if isinstance(code, ErrorCode):
+        text = str(exc).encode(errors="replace")[:MAX_ERROR_TEXT].decode(errors="ignore")  # drops a cut character
+    else:
+        code, text = ErrorCode.INTERNAL, f"internal error ({type(exc).__name__})"
+    return ErrorReply(dispatch_id, code, text)
+
+
+def negotiate(ours: Hello | HelloAck, theirs: Hello | HelloAck) -> tuple[int, tuple[int, ...]]:
+    """The highest version both sides speak and the codecs both speak, in our order of preference.
+
+    Both sides compute the same version from the same Hello/HelloAck pair. Raises UnsupportedVersion when no version
+    is shared and BadCodec when no codec is.
+    """
+    versions = set(ours.versions) & set(theirs.versions)
+    if not versions:
+        raise UnsupportedVersion("versions", f"we speak {ours.versions}, the peer speaks {theirs.versions}")
+    codecs = tuple(c for c in dict.fromkeys(ours.codecs) if c in theirs.codecs)
+    if not codecs:
+        raise BadCodec("codecs", f"we speak {ours.codecs}, the peer speaks {theirs.codecs}")
+    return max(versions), codecs
