@@ -120,7 +120,11 @@ def ordered_sum(terms: np.ndarray, present: np.ndarray) -> tuple[np.ndarray, np.
 
 @dataclass(frozen=True)
 class Partition:
-    """Expert ranges that answer together, in combine order: [(start, stop), ...] covering all experts."""
+    """Expert ranges that answer together, in combine order: ((start, stop), ...) sorted by start.
+
+    Ranges may overlap (workers announce what they hold); an expert belongs to the
+    first range in this order that contains it, so every expert has one owner.
+    """
 
     bounds: tuple[tuple[int, int], ...]
 
@@ -130,12 +134,33 @@ class Partition:
         return cls(tuple((int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a))
 
     @classmethod
-    def whole(cls, n_expert: int) -> Partition:
-        return cls(((0, n_expert),))
+    def covering(cls, ranges, n_expert: int) -> Partition:
+        """The announced *ranges* plus a group for each gap, so every expert 0..n_expert-1 has an owner."""
+        bounds = sorted({(int(a), int(b)) for a, b in ranges if a < b <= n_expert})
+        covered = np.zeros(n_expert, dtype=bool)
+        for a, b in bounds:
+            covered[a:b] = True
+        gaps, start = [], None
+        for e in range(n_expert + 1):
+            if e < n_expert and not covered[e]:
+                start = e if start is None else start
+            elif start is not None:
+                gaps.append((start, e))
+                start = None
+        return cls(tuple(sorted(bounds + gaps)))
+
+    @property
+    def owner(self) -> np.ndarray:
+        """owner[e] = index of the group that answers for expert e (-1: none)."""
+        n = max(b for _, b in self.bounds)
+        own = np.full(n, -1, dtype=np.int32)
+        for g in reversed(range(len(self.bounds))):
+            a, b = self.bounds[g]
+            own[a:b] = g
+        return own
 
     def held_mask(self, group: int, expert_ids: np.ndarray) -> np.ndarray:
-        a, b = self.bounds[group]
-        return (expert_ids >= a) & (expert_ids < b)
+        return self.owner[expert_ids] == group
 
 
 def combine(partials: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:

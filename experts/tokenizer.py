@@ -17,11 +17,25 @@ logits are compared against a different prompt. The merging itself is HF
 Decoding does not use HF: a token stands for fixed bytes (``token_bytes``, the same
 as llama.cpp's ``token_to_piece`` without special tokens), so text is their
 concatenation.
+
+Known differences from llama.cpp (measured against llama-cpp-python 0.3.36):
+
+* Byte-level BPE: the 4,382 letters and digits new in Unicode 16.0 (Todhri, Garay,
+  Tulu-Tigalari, ...) are unassigned to the regex engine inside ``tokenizers``
+  (Unicode 15), so words containing them split differently.
+* SentencePiece: where pieces of equal score compete, llama.cpp takes the leftmost
+  pair and we take a fixed order; the ``tokenizer.spm_score_ties`` warning says when
+  a vocab has such pieces. Vocabs with distinct scores matched exactly.
+* ``decode`` inverts ``encode``; it skips the clean-up ``llama_detokenize`` does
+  for some BPE vocabs (removing the space in " ?", " 's", ...), which loses text.
+* llama.cpp retypes some NORMAL tokens named like end-of-turn markers
+  (``<|im_end|>``, ...) as control tokens; we keep the file's types.
 """
 
 from __future__ import annotations
 
 import codecs
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -40,6 +54,7 @@ log = structlog.get_logger(__name__)
 
 KEY = gguf.Keys.Tokenizer
 TokenType = gguf.TokenType
+V = gguf.GGUFValueType
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
 # --- pre-tokenizers, as llama.cpp's llm_tokenizer_bpe hard-codes them -------------------------
@@ -100,18 +115,8 @@ def _check_model(model: str) -> None:
 
 # --- reading the spec from GGUF ------------------------------------------------------------------
 
-_INT_TYPES = frozenset(
-    {
-        gguf.GGUFValueType.UINT8,
-        gguf.GGUFValueType.INT8,
-        gguf.GGUFValueType.UINT16,
-        gguf.GGUFValueType.INT16,
-        gguf.GGUFValueType.UINT32,
-        gguf.GGUFValueType.INT32,
-        gguf.GGUFValueType.UINT64,
-        gguf.GGUFValueType.INT64,
-    }
-)
+_INTS = frozenset({V.UINT8, V.INT8, V.UINT16, V.INT16, V.UINT32, V.INT32, V.UINT64, V.INT64})
+_STRINGS = frozenset({V.STRING})
 
 
 def _value(reader: gguf.GGUFReader, key: str, allowed: frozenset, *, array: bool) -> Any:
@@ -120,7 +125,7 @@ def _value(reader: gguf.GGUFReader, key: str, allowed: frozenset, *, array: bool
     if field is None:
         return None
     types = field.types
-    is_array = bool(types) and types[0] == gguf.GGUFValueType.ARRAY
+    is_array = bool(types) and types[0] == V.ARRAY
     elem = types[-1] if types else None
     if is_array != array or (array and len(types) != 2) or elem not in allowed:
         shape = "array of " if array else ""
@@ -134,15 +139,15 @@ def _value(reader: gguf.GGUFReader, key: str, allowed: frozenset, *, array: bool
 
 
 def _string(reader: gguf.GGUFReader, key: str) -> str | None:
-    return _value(reader, key, frozenset({gguf.GGUFValueType.STRING}), array=False)
+    return _value(reader, key, _STRINGS, array=False)
 
 
 def _int(reader: gguf.GGUFReader, key: str) -> int | None:
-    return _value(reader, key, _INT_TYPES, array=False)
+    return _value(reader, key, _INTS, array=False)
 
 
 def _bool(reader: gguf.GGUFReader, key: str) -> bool | None:
-    value = _value(reader, key, frozenset({gguf.GGUFValueType.BOOL}), array=False)
+    value = _value(reader, key, frozenset({V.BOOL}), array=False)
     return None if value is None else bool(value)
 
 
@@ -178,25 +183,18 @@ def tokenizer_spec_from_reader(reader: gguf.GGUFReader) -> TokenizerSpec:
     _check_model(model)
     pre = _string(reader, KEY.PRE) or "default"
 
-    tokens = _value(reader, KEY.LIST, frozenset({gguf.GGUFValueType.STRING}), array=True)
+    tokens = _value(reader, KEY.LIST, _STRINGS, array=True)
     if not tokens:
         raise ModelFormatError(f"GGUF key {KEY.LIST} is missing or empty")
     n = len(tokens)
     # llama.cpp renames empty tokens rather than failing; so do we.
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-    types = _value(reader, KEY.TOKEN_TYPE, frozenset({gguf.GGUFValueType.INT32}), array=True)
+    types = _value(reader, KEY.TOKEN_TYPE, frozenset({V.INT32}), array=True)
     types = _per_token(types, KEY.TOKEN_TYPE, n) or [int(TokenType.NORMAL)] * n
-    scores = _value(
-        reader, KEY.SCORES, frozenset({gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.INT32}), array=True
-    )
+    scores = _value(reader, KEY.SCORES, frozenset({V.FLOAT32, V.INT32}), array=True)
     scores = _per_token(scores, KEY.SCORES, n)
-    merges = _value(reader, KEY.MERGES, frozenset({gguf.GGUFValueType.STRING}), array=True)
-    if model == "gpt2":
-        if merges is None:
-            raise ModelFormatError(f"GGUF key {KEY.MERGES} is missing; a gpt2 (BPE) tokenizer needs it")
-        add_bos_default = _pre_tokenizer(pre).add_bos
-    else:
-        add_bos_default = True  # llama.cpp's default for SPM
+    merges = _value(reader, KEY.MERGES, _STRINGS, array=True)
+    add_bos_default = _pre_tokenizer(pre).add_bos if model == "gpt2" else True  # True: llama.cpp's SPM default
 
     defaults = _DEFAULT_IDS[model]
     bos = _special_id(reader, KEY.BOS_ID, defaults["bos"], n)
@@ -248,7 +246,7 @@ def _validate(spec: TokenizerSpec) -> None:
     if spec.model == "gpt2":
         _pre_tokenizer(spec.pre)
         if spec.merges is None:
-            raise ModelFormatError(f"{KEY.MERGES} is missing; a gpt2 (BPE) tokenizer needs it")
+            raise ModelFormatError(f"GGUF key {KEY.MERGES} is missing; a gpt2 (BPE) tokenizer needs it")
 
 
 # --- token bytes ---------------------------------------------------------------------------------
@@ -257,10 +255,8 @@ def _validate(spec: TokenizerSpec) -> None:
 def _gpt2_unicode_to_byte() -> dict[str, int]:
     """GPT-2's byte alphabet, reversed: printable bytes stand for themselves, the rest for U+0100 on."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {chr(b): b for b in printable}
-    others = (b for b in range(256) if b not in set(printable))
-    table |= {chr(256 + n): b for n, b in enumerate(others)}
-    return table
+    others = sorted(set(range(256)) - set(printable))
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
 
 
 _GPT2_BYTES = _gpt2_unicode_to_byte()
@@ -329,7 +325,7 @@ def _spm_merges(spec: TokenizerSpec, vocab: dict[str, int]) -> list[tuple[str, s
     llama.cpp merges the adjacent pair forming the highest-scoring token, leftmost on
     a tie; ranking pairs by that score makes BPE do the same. Pairs forming tokens of
     equal score are ordered by token id, which can differ from llama.cpp's leftmost
-    rule only when two such pairs are candidates at once.
+    rule only when two such pairs are candidates at once; a warning counts such tokens.
     """
     scores = spec.scores or [0.0] * len(spec.tokens)
     ranked: list[tuple[float, int, int, tuple[str, str]]] = []
@@ -339,6 +335,10 @@ def _spm_merges(spec: TokenizerSpec, vocab: dict[str, int]) -> list[tuple[str, s
             if left in vocab and right in vocab:
                 ranked.append((-scores[tid], tid, cut, (left, right)))
     ranked.sort()
+    formed = Counter(score for score, _ in {(r[0], r[1]) for r in ranked})
+    tied = sum(n for n in formed.values() if n > 1)
+    if tied:
+        log.warning("tokenizer.spm_score_ties", tokens=tied, effect="may differ from llama.cpp where they compete")
     return [pair for *_, pair in ranked]
 
 
@@ -363,12 +363,10 @@ def _build_hf(spec: TokenizerSpec) -> HFTokenizer:
         else:
             hf.normalizer = escape
     # llama.cpp cuts user-defined tokens out of the text always, control/unknown ones only on request.
-    added = [
-        AddedToken(text, special=ttype != TokenType.USER_DEFINED, normalized=False)
-        for text, ttype in zip(spec.tokens, spec.token_types)
-        if ttype in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
-    ]
-    hf.add_special_tokens(added)
+    pairs = list(zip(spec.tokens, spec.token_types))
+    hf.add_tokens([AddedToken(t, normalized=False) for t, tt in pairs if tt == TokenType.USER_DEFINED])
+    control = (TokenType.CONTROL, TokenType.UNKNOWN)
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, tt in pairs if tt in control])
     return hf
 
 
@@ -395,12 +393,21 @@ class Tokenizer:
 
     @cached_property
     def _hf_special(self) -> HFTokenizer:
-        """A second HF tokenizer that turns control-token text into the control token."""
-        return _build_hf(self.spec)
+        """A copy of the HF tokenizer that turns control-token text into the control token."""
+        hf = HFTokenizer.from_str(self._hf.to_str())
+        hf.encode_special_tokens = False
+        return hf
 
     def encode(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
-        """Token ids of *text*; ``add_bos=None`` follows the file, ``special`` parses control tokens."""
-        ids = (self._hf_special if special else self._hf).encode(text, add_special_tokens=False).ids
+        """Token ids of *text*; ``add_bos=None`` follows the file, ``special`` parses control tokens.
+
+        Lone surrogates (not Unicode, not UTF-8) raise UnicodeEncodeError.
+        """
+        try:
+            ids = (self._hf_special if special else self._hf).encode(text, add_special_tokens=False).ids
+        except TypeError:
+            text.encode()  # HF says only "must be str"; name the real fault
+            raise
         if self.spec.add_bos if add_bos is None else add_bos:
             return [self.bos_id, *ids]
         return ids

@@ -1,0 +1,95 @@
+"""Work receipts: what a worker did for one dispatch, signed by the worker (sans-IO).
+
+Both sides know almost every field already (the backbone built the request, the
+worker computed the answer), so the wire carries only the worker's clock reading
+and signature (:class:`ReceiptStamp`, 72 bytes). Each side rebuilds the same
+canonical :class:`Receipt` body from what it sent and received; the worker's
+signature over it proves the work was accepted for exactly these inputs and
+outputs, and binds the unique dispatch id to both peer ids so it can't be replayed
+between other peers. The ledger stores full receipts (see :mod:`node.ledger`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import asdict, dataclass
+
+from p2p.identity import Identity, PeerId
+
+SIGNING_CONTEXT = b"moeswarm/receipt/v1\0"
+STAMP = struct.Struct("<Q64s")
+
+
+class ReceiptError(ValueError):
+    """A receipt stamp is malformed or its signature does not match the receipt body."""
+
+
+def work_units(n_expert_tokens: int, n_embd: int, n_ff_exp: int) -> int:
+    """Expert-token FLOPs: three (d x ff) matmuls of 2 FLOPs per multiply-add, per held (token, expert)."""
+    return n_expert_tokens * 6 * n_embd * n_ff_exp
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Receipt:
+    dispatch_id: str  # hex
+    backbone: str  # peer id text
+    worker: str
+    model_digest: str
+    layer: int
+    expert_ids: tuple[int, ...]  # distinct experts computed, ascending
+    n_tokens: int
+    work_units: int
+    bytes_in: int
+    bytes_out: int
+    codec: str
+    path: str  # "direct" | "relay"
+    issued_at_us: int  # worker clock when it answered
+    price: int  # per work unit, from the worker's record
+    request_digest: str
+    result_digest: str
+
+    def body(self) -> bytes:
+        """Canonical bytes the signature covers (sorted-key compact JSON after a context string)."""
+        return SIGNING_CONTEXT + json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def credits(self) -> int:
+        return self.work_units * self.price
+
+
+@dataclass(frozen=True)
+class ReceiptStamp:
+    """What travels in a dispatch reply: the worker's clock reading and its signature."""
+
+    issued_at_us: int
+    signature: bytes
+
+    def encode(self) -> bytes:
+        return STAMP.pack(self.issued_at_us, self.signature)
+
+    @classmethod
+    def decode(cls, data: bytes) -> ReceiptStamp:
+        if len(data) != STAMP.size:
+            raise ReceiptError(f"receipt stamp must be {STAMP.size} bytes, got {len(data)}")
+        at, sig = STAMP.unpack(data)
+        return cls(at, sig)
+
+
+def sign(identity: Identity, receipt: Receipt) -> ReceiptStamp:
+    if receipt.worker != str(identity.peer_id):
+        raise ReceiptError("a worker signs only receipts naming itself as the worker")
+    return ReceiptStamp(receipt.issued_at_us, identity.sign(receipt.body()))
+
+
+def verify(receipt: Receipt, stamp: ReceiptStamp) -> None:
+    """Raise ReceiptError unless the worker named in *receipt* signed exactly it."""
+    if stamp.issued_at_us != receipt.issued_at_us:
+        raise ReceiptError("receipt stamp time differs from the receipt's")
+    if not PeerId.from_string(receipt.worker).verify(receipt.body(), stamp.signature):
+        raise ReceiptError(f"receipt {receipt.dispatch_id} is not signed by worker {receipt.worker}")
