@@ -1,0 +1,227 @@
+"""The backbone's remote MoE step: star fan-out of each layer's routed tokens to the hosting workers.
+
+For a layer, every group of the partition that owns at least one selected expert
+gets one request, all in flight at once (layer latency = slowest host, not the
+sum). Replies are combined in group order (the protocol's combine order), so
+with an F32 wire the result equals :func:`experts.moe.grouped_moe` bit for bit.
+A host that errs or times out is benched and the group goes to the next replica,
+and finally to local compute from the backbone's own copy of the experts: a
+token's output never depends on which path answered.
+
+The numpy forward is synchronous; it runs on a worker thread and calls
+:meth:`RemoteMoE.hook`, which hands each layer to the asyncio loop that owns the
+QUIC endpoint and waits for the combined answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from experts import codecs
+from experts.codecs import Codec
+from experts.moe import ExpertSource, combine, partial_sum
+from experts.verify import require_verified
+from p2p import wire
+from p2p.discovery import Discovery
+from p2p.quic import Endpoint, TransportError
+
+from .receipts import Receipt, ReceiptError, ReceiptStamp, digest, verify, work_units
+from .routing import Host, Router
+
+log = structlog.get_logger("node.backbone")
+
+
+class DispatchFailed(Exception):
+    """A host could not answer a group; the caller moves on to the next candidate."""
+
+
+@dataclass
+class DispatchRecord:
+    layer: int
+    peer: str
+    path: str
+    n_tokens: int
+    bytes_out: int
+    bytes_back: int
+    latency_ms: float
+    ok: bool
+
+
+@dataclass
+class DispatchStats:
+    records: list[DispatchRecord] = field(default_factory=list)
+    local_groups: int = 0
+    tokens_forwarded: int = 0  # token-layer visits of the forward (denominator for bytes per token per layer)
+
+    def summary(self) -> dict:
+        ok = [r for r in self.records if r.ok]
+        lat = np.array([r.latency_ms for r in ok]) if ok else np.zeros(1)
+        per_peer: dict[str, int] = {}
+        for r in ok:
+            per_peer[r.peer] = per_peer.get(r.peer, 0) + 1
+        visits = max(self.tokens_forwarded, 1)
+        return {
+            "dispatches": len(ok),
+            "failed_dispatches": len(self.records) - len(ok),
+            "local_groups": self.local_groups,
+            "per_peer": per_peer,
+            "bytes_per_token_per_layer": {
+                "out": round(sum(r.bytes_out for r in ok) / visits, 1),
+                "back": round(sum(r.bytes_back for r in ok) / visits, 1),
+            },
+            "rtt_ms": {"p50": round(float(np.percentile(lat, 50)), 3), "p99": round(float(np.percentile(lat, 99)), 3)},
+        }
+
+
+class RemoteMoE:
+    """Dispatches a model's MoE layers to workers found through *discovery*."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        discovery: Discovery,
+        model_digest: str,
+        n_embd: int,
+        n_ff_exp: int,
+        n_expert: int,
+        fallback: ExpertSource,
+        *,
+        codec: Codec = Codec.F32,
+        timeout: float = 5.0,
+    ) -> None:
+        require_verified(model_digest, codec)
+        self.endpoint = endpoint
+        self.discovery = discovery
+        self.model_digest = model_digest
+        self.n_embd, self.n_ff_exp = n_embd, n_ff_exp
+        self.fallback = fallback
+        self.codec = codec
+        self.timeout = timeout
+        self.router = Router(n_expert)
+        self.stats = DispatchStats()
+        self.receipts: list[Receipt] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def refresh(self, layers: range) -> None:
+        """Look up every layer's hosts (through the discovery cache) and rebuild the routes."""
+        for layer in layers:
+            self.router.update(layer, await self.discovery.lookup(self.model_digest, layer))
+
+    def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The synchronous ``moe_ffn`` for :class:`experts.forward.Backbone` (called off the loop thread)."""
+        assert self.loop is not None, "RemoteMoE.loop must be set to the loop that owns the endpoint"
+        self.stats.tokens_forwarded += x.shape[0]
+        return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w), self.loop).result()
+
+    async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        if layer not in self.router.routes:
+            await self.refresh(range(layer, layer + 1))
+        route = self.router.routes[layer]
+        part = route.partition
+        jobs, present = [], []
+        for g in range(len(part.bounds)):
+            held = part.held_mask(g, ids)
+            rows = held.any(axis=1)
+            present.append(rows)
+            if rows.any():
+                jobs.append((g, rows, self._group(layer, g, x[rows], np.where(held, ids, -1)[rows], w[rows], held[rows])))
+        results = await asyncio.gather(*(job for _, _, job in jobs))
+        partials = [(np.zeros_like(x), rows) for rows in present]
+        for (g, rows, _), sums in zip(jobs, results):
+            partials[g][0][rows] = sums
+        return combine(partials)
+
+    async def _group(self, layer: int, group: int, x, ids, w, held) -> np.ndarray:
+        for host in self.router.candidates(layer, group, time.monotonic()):
+            try:
+                return await self._send(host, layer, x, ids, w, held)
+            except DispatchFailed as exc:
+                backoff = self.router.failed(host.peer_id, time.monotonic())
+                log.warning("dispatch.failed", peer=str(host.peer_id), layer=layer, reason=str(exc), benched_s=backoff)
+        self.stats.local_groups += 1
+        log.info("dispatch.local", layer=layer, group=list(self.router.routes[layer].partition.bounds[group]), n_tokens=x.shape[0])
+        loop = asyncio.get_running_loop()
+        sums, _ = await loop.run_in_executor(None, partial_sum, self.fallback, layer, x, ids, w, held)
+        return sums
+
+    async def _send(self, host: Host, layer: int, x, ids, w, held) -> np.ndarray:
+        n, k = ids.shape
+        req = wire.DispatchRequest(
+            dispatch_id=os.urandom(16),
+            model_digest=bytes.fromhex(self.model_digest),
+            layer=layer,
+            codec=self.codec,
+            n_tokens=n,
+            top_k=k,
+            expert_ids=tuple(int(e) for e in ids.ravel()),
+            router_weights=tuple(float(v) for v in w.ravel()),
+            hidden=codecs.encode(self.codec, x),
+            sent_at_us=time.time_ns() // 1000,
+        )
+        data = req.encode()
+        self.router.started(host.peer_id)
+        t0 = time.perf_counter()
+        ok, reply_len = False, 0
+        try:
+            try:
+                raw = await self.endpoint.request(host.addr, host.peer_id, data, timeout=self.timeout)
+            except TransportError as exc:
+                raise DispatchFailed(f"{type(exc).__name__}: {exc}") from None
+            reply_len = len(raw)
+            try:
+                msg = wire.decode(raw)
+            except wire.ProtocolError as exc:
+                raise DispatchFailed(f"malformed reply: {exc}") from None
+            if isinstance(msg, wire.ErrorReply):
+                raise DispatchFailed(f"worker error {msg.code.name}: {msg.message}")
+            if not isinstance(msg, wire.DispatchReply) or msg.dispatch_id != req.dispatch_id or msg.n_tokens != n:
+                raise DispatchFailed("reply does not answer this dispatch")
+            try:
+                sums = codecs.decode(self.codec, msg.partial, n, self.n_embd)
+            except codecs.CodecError as exc:
+                raise DispatchFailed(f"bad partial sums: {exc}") from None
+            if not np.isfinite(sums).all():
+                raise DispatchFailed("partial sums are not finite")
+            self._accept_receipt(host, req, data, msg, raw)
+            ok = True
+        finally:
+            latency = (time.perf_counter() - t0) * 1e3
+            self.stats.records.append(DispatchRecord(layer, str(host.peer_id), "direct", n, len(data), reply_len, latency, ok))
+            log.info("dispatch.done", peer=str(host.peer_id), path="direct", layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
+        compute_ms = msg.compute_us / 1e3
+        self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0))
+        return sums
+
+    def _accept_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, raw: bytes) -> None:
+        ids = np.asarray(req.expert_ids)
+        held = ids >= 0
+        try:
+            stamp = ReceiptStamp.decode(msg.receipt)
+            receipt = Receipt(
+                dispatch_id=req.dispatch_id.hex(),
+                backbone=str(self.endpoint.peer_id),
+                worker=str(host.peer_id),
+                model_digest=self.model_digest,
+                layer=req.layer,
+                expert_ids=tuple(int(e) for e in np.unique(ids[held])),
+                n_tokens=req.n_tokens,
+                work_units=work_units(int(held.sum()), self.n_embd, self.n_ff_exp),
+                bytes_in=len(data),
+                bytes_out=len(raw),
+                codec=self.codec.name.lower(),
+                path="direct",
+                issued_at_us=stamp.issued_at_us,
+                price=host.price,
+                request_digest=digest(data),
+                result_digest=digest(msg.partial),
+            )
+            verify(receipt, stamp)
+        except ReceiptError as exc:
+            raise DispatchFailed(f"receipt rejected: {exc}") from None
+        self.receipts.append(receipt)

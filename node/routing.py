@@ -1,0 +1,103 @@
+"""Which host answers for which experts: replica choice by measured RTT, load and health (sans-IO).
+
+The backbone turns the DHT's host records for a layer into a :class:`Partition`
+(the announced expert ranges, plus local groups for any gap) and, per group, an
+ordered list of candidate hosts. Scores come from round trips the backbone itself
+measured; a host that failed is benched with exponential backoff so dispatch
+does not keep paying its timeout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from experts.moe import Partition
+from p2p.identity import PeerId
+from p2p.records import HostRecord
+
+DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones
+EWMA = 0.2
+BACKOFF_S = (1.0, 60.0)
+
+
+@dataclass
+class HostHealth:
+    rtt_ms: float | None = None
+    inflight: int = 0
+    failures: int = 0
+    benched_until: float = 0.0
+    dispatches: int = 0
+
+    def score(self) -> float:
+        """Expected wait: RTT inflated by requests already queued on that host."""
+        return (self.rtt_ms if self.rtt_ms is not None else DEFAULT_RTT_MS) * (1 + self.inflight)
+
+
+@dataclass(frozen=True)
+class Host:
+    peer_id: PeerId
+    addr: tuple[str, int]
+    ranges: tuple[tuple[int, int], ...]
+    price: int
+
+    @classmethod
+    def from_record(cls, r: HostRecord) -> Host | None:
+        if r.hosted.quic_addr is None:
+            return None  # relay-only hosts are reached through the relay path (NAT traversal)
+        host, _, port = r.hosted.quic_addr.rpartition(":")
+        return cls(r.peer_id, (host.strip("[]"), int(port)), r.hosted.expert_ranges, r.hosted.price)
+
+    def covers(self, start: int, stop: int) -> bool:
+        return any(a <= start and stop <= b for a, b in self.ranges)
+
+
+@dataclass
+class LayerRoute:
+    partition: Partition
+    hosts: list[list[Host]]  # per group, every host that can answer for it (unordered)
+
+
+@dataclass
+class Router:
+    """Per-layer partitions and candidates, and per-host health, fed by lookups and dispatch results."""
+
+    n_expert: int
+    routes: dict[int, LayerRoute] = field(default_factory=dict)
+    health: dict[PeerId, HostHealth] = field(default_factory=dict)
+
+    def update(self, layer: int, records: list[HostRecord]) -> LayerRoute:
+        hosts = [h for h in (Host.from_record(r) for r in records) if h is not None]
+        part = Partition.covering([rg for h in hosts for rg in h.ranges], self.n_expert)
+        route = LayerRoute(part, [[h for h in hosts if h.covers(a, b)] for a, b in part.bounds])
+        self.routes[layer] = route
+        for h in hosts:
+            self.health.setdefault(h.peer_id, HostHealth())
+        return route
+
+    def candidates(self, layer: int, group: int, now: float) -> list[Host]:
+        """Hosts to try for a group, best first; benched hosts only when nothing else is left."""
+        hosts = self.routes[layer].hosts[group]
+        ready = [h for h in hosts if self.health[h.peer_id].benched_until <= now]
+        benched = [h for h in hosts if h not in ready]
+        key = lambda h: (self.health[h.peer_id].score(), h.price, h.peer_id)  # noqa: E731
+        return sorted(ready, key=key) + sorted(benched, key=key)
+
+    def started(self, peer: PeerId) -> None:
+        self.health[peer].inflight += 1
+
+    def succeeded(self, peer: PeerId, rtt_ms: float) -> None:
+        h = self.health[peer]
+        h.inflight -= 1
+        h.failures = 0
+        h.benched_until = 0.0
+        h.dispatches += 1
+        h.rtt_ms = rtt_ms if h.rtt_ms is None else (1 - EWMA) * h.rtt_ms + EWMA * rtt_ms
+
+    def failed(self, peer: PeerId, now: float) -> float:
+        """Bench the host; returns for how long (doubling per consecutive failure)."""
+        h = self.health[peer]
+        h.inflight -= 1
+        h.failures += 1
+        wait = min(BACKOFF_S[0] * 2 ** (h.failures - 1), BACKOFF_S[1])
+        h.benched_until = now + wait
+        return wait

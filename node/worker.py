@@ -1,0 +1,187 @@
+"""A worker: serves dispatches for the experts it hosts, batching concurrent requests per layer.
+
+Requests for the same layer that arrive while a compute call is running are
+folded into the next call (one ``partial_sum`` over the union of their tokens).
+The expert kernel is batch invariant (:mod:`experts.moe`), so a backbone gets
+the same bits whether its tokens were computed alone or beside others'.
+Compute runs on one background thread so the event loop keeps serving QUIC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from experts import codecs
+from experts.codecs import Codec
+from experts.errors import CodecError
+from experts.moe import partial_sum
+from experts.slices import ExpertStore
+from p2p import wire
+from p2p.identity import Identity, PeerId
+
+from .receipts import Receipt, digest, sign, work_units
+
+log = structlog.get_logger("node.worker")
+
+
+class NotHosted(wire.ProtocolError):
+    error_code = wire.ErrorCode.NOT_HOSTED
+
+
+class UnknownModel(wire.ProtocolError):
+    error_code = wire.ErrorCode.UNKNOWN_MODEL
+
+
+class ComputeFailed(wire.ProtocolError):
+    error_code = wire.ErrorCode.INTERNAL
+
+
+@dataclass
+class _Job:
+    x: np.ndarray
+    ids: np.ndarray
+    weights: np.ndarray
+    held: np.ndarray
+    done: asyncio.Future = field(repr=False)
+
+
+@dataclass
+class WorkerStats:
+    dispatches: int = 0
+    errors: int = 0
+    batches: int = 0
+    tokens: int = 0
+    by_peer: dict[str, int] = field(default_factory=dict)
+
+
+class Worker:
+    """Dispatch handler over an :class:`ExpertStore`; plug ``handle`` into a QUIC endpoint."""
+
+    def __init__(self, identity: Identity, store: ExpertStore, *, price: int = 0, path_of=None) -> None:
+        self.identity = identity
+        self.store = store
+        self.model_digest = store.model.digest
+        self._digest_raw = bytes.fromhex(self.model_digest)
+        self.price = price
+        self.path_of = path_of or (lambda peer: "direct")
+        self.stats = WorkerStats()
+        self._pending: dict[int, list[_Job]] = {}
+        self._running: set[int] = set()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="experts")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def handle(self, peer: PeerId, data: bytes) -> bytes:
+        """One request message in, one reply message out; bad input gets an ErrorReply, never an exception."""
+        t0 = time.perf_counter()
+        dispatch_id = wire.peek_dispatch_id(data)
+        try:
+            msg = wire.decode(data)
+            if isinstance(msg, wire.Ping):
+                return wire.Pong.answering(msg).encode()
+            if not isinstance(msg, wire.DispatchRequest):
+                raise wire.InvalidField("type", f"a worker answers DispatchRequest and Ping, not {type(msg).__name__}")
+            reply = await self._dispatch(peer, msg, data, t0)
+        except (wire.ProtocolError, CodecError) as exc:
+            self.stats.errors += 1
+            log.warning("dispatch.refused", peer=str(peer), error=str(exc), bytes_in=len(data))
+            if isinstance(exc, CodecError):
+                exc = wire.BadCodec("hidden", str(exc))
+            return wire.error_reply_for(exc, dispatch_id).encode()
+        return reply
+
+    async def _dispatch(self, peer: PeerId, req: wire.DispatchRequest, data: bytes, t0: float) -> bytes:
+        if req.model_digest != self._digest_raw:
+            raise UnknownModel("model_digest", f"this worker serves model {self.model_digest[:16]}..., not {req.model_digest.hex()[:16]}...")
+        if req.layer not in self.store.layers:
+            raise NotHosted("layer", f"layer {req.layer} is not hosted here (layers {self.store.layers.start}-{self.store.layers.stop - 1})")
+        ids = np.asarray(req.expert_ids, dtype=np.int32).reshape(req.n_tokens, req.top_k)
+        held = ids >= 0
+        if not held.any():
+            raise wire.InvalidField("expert_ids", "no slot is addressed to this worker")
+        outside = held & ~((ids >= self.store.experts.start) & (ids < self.store.experts.stop))
+        if outside.any():
+            raise NotHosted("expert_ids", f"expert {int(ids[outside][0])} is not hosted here (experts {self.store.experts})")
+        cfg = self.store.model.cfg
+        codec = Codec(int(req.codec))
+        x = codecs.decode(codec, req.hidden, req.n_tokens, cfg.n_embd)
+        if not np.isfinite(x).all():
+            raise wire.InvalidField("hidden", "hidden states hold NaN or infinity")
+        w = np.asarray(req.router_weights, dtype=np.float32).reshape(req.n_tokens, req.top_k)
+        sums = await self._compute(req.layer, x, ids, w, held)
+        payload = codecs.encode(codec, sums)
+        compute_us = int((time.perf_counter() - t0) * 1e6)
+        receipt = Receipt(
+            dispatch_id=req.dispatch_id.hex(),
+            backbone=str(peer),
+            worker=str(self.identity.peer_id),
+            model_digest=self.model_digest,
+            layer=req.layer,
+            expert_ids=tuple(int(e) for e in np.unique(ids[held])),
+            n_tokens=req.n_tokens,
+            work_units=work_units(int(held.sum()), cfg.n_embd, cfg.n_ff_exp),
+            bytes_in=len(data),
+            bytes_out=0,  # filled below: the reply's size depends on nothing the signature covers but this
+            codec=codec.name.lower(),
+            path=self.path_of(peer),
+            issued_at_us=time.time_ns() // 1000,
+            price=self.price,
+            request_digest=digest(data),
+            result_digest=digest(payload),
+        )
+        reply = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, b"\0" * 72)
+        receipt = _with_bytes_out(receipt, reply.encoded_len())
+        reply = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, sign(self.identity, receipt).encode())
+        self.stats.dispatches += 1
+        self.stats.tokens += req.n_tokens
+        self.stats.by_peer[str(peer)] = self.stats.by_peer.get(str(peer), 0) + 1
+        log.info("dispatch.served", peer=str(peer), layer=req.layer, n_tokens=req.n_tokens, bytes_in=len(data), bytes_out=receipt.bytes_out, compute_us=compute_us, path=receipt.path)
+        return reply.encode()
+
+    async def _compute(self, layer: int, x, ids, w, held) -> np.ndarray:
+        loop = asyncio.get_running_loop()
+        job = _Job(x, ids, w, held, loop.create_future())
+        self._pending.setdefault(layer, []).append(job)
+        if layer not in self._running:
+            self._running.add(layer)
+            asyncio.ensure_future(self._drain(layer))
+        return await job.done
+
+    async def _drain(self, layer: int) -> None:
+        """Run batches for *layer* until no request waits; requests arriving meanwhile join the next batch."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._pending.get(layer):
+                jobs = self._pending.pop(layer)
+                x = np.concatenate([j.x for j in jobs])
+                args = (self.store, layer, x, np.concatenate([j.ids for j in jobs]), np.concatenate([j.weights for j in jobs]), np.concatenate([j.held for j in jobs]))
+                try:
+                    sums, _ = await loop.run_in_executor(self._pool, partial_sum, *args)
+                except Exception as exc:  # a compute failure fails these requests, not the worker
+                    for j in jobs:
+                        if not j.done.done():
+                            j.done.set_exception(ComputeFailed("compute", f"{type(exc).__name__}: {exc}"))
+                    log.error("dispatch.compute_failed", layer=layer, error=repr(exc))
+                    continue
+                self.stats.batches += 1
+                start = 0
+                for j in jobs:
+                    n = j.x.shape[0]
+                    if not j.done.done():
+                        j.done.set_result(sums[start : start + n])
+                    start += n
+        finally:
+            self._running.discard(layer)
+
+
+def _with_bytes_out(r: Receipt, n: int) -> Receipt:
+    from dataclasses import replace
+
+    return replace(r, bytes_out=n)
