@@ -1,0 +1,125 @@
+"""Swarm commands: bootstrap, worker, backbone generate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import click
+
+from experts.codecs import Codec
+from experts.forward import Backbone
+from experts.generate import generate
+from experts.gguf_model import ExpertRange, GGUFModel
+from experts.slices import parse_range
+from experts.tokenizer import StreamDecoder, Tokenizer
+
+from .cli import emit_json, main
+from .cli_model import parse_size
+from .runtime import data_dir as node_dir, load_identity, parse_hostport
+from .swarm import WorkerOptions, backbone_session, run_bootstrap_node, run_worker, wait_for_hosts
+
+bootstrap_opt = click.option("--bootstrap", "bootstrap", multiple=True, help="DHT bootstrap multiaddr /ip4/H/tcp/P/p2p/ID (repeatable).")
+data_dir_opt = click.option("--data-dir", default=None, help="Where this node keeps its key (default ~/.moeswarm/ROLE).")
+ready_opt = click.option("--ready-file", default=None, help="Write a JSON line with this node's addresses once it serves.")
+
+
+@main.command("bootstrap")
+@click.option("--listen", default="127.0.0.1:4001", show_default=True, help="TCP HOST:PORT for the DHT.")
+@bootstrap_opt
+@data_dir_opt
+@ready_opt
+def bootstrap_cmd(listen: str, bootstrap: tuple[str, ...], data_dir: str | None, ready_file: str | None) -> None:
+    """Run a DHT bootstrap node."""
+    parse_hostport(listen)
+    ident = load_identity(node_dir(data_dir, "bootstrap"))
+    asyncio.run(run_bootstrap_node(ident, listen, bootstrap, ready_file))
+
+
+@main.command("worker")
+@click.option("--model", "model_path", default=None, help="Full model GGUF (host a part of it).")
+@click.option("--slice", "slice_path", default=None, help="Slice GGUF from `moeswarm slice`.")
+@click.option("--model-digest", default=None, help="With --slice: refuse a slice of any other model.")
+@click.option("--layers", default=None, help="Layer range to host, e.g. 0-3 (default: all in the file).")
+@click.option("--experts", "experts_", default=None, help="Expert range to host, e.g. 0-31 (default: all in the file).")
+@click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC dispatch.")
+@click.option("--advertise", default=None, help="HOST:PORT to announce, if not the listen address.")
+@click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT.")
+@bootstrap_opt
+@click.option("--memory-budget", default=None, help="RAM for dequantized experts (e.g. 512M); above it, dequantize on the fly.")
+@click.option("--price", default=0, show_default=True, help="Price per work unit, announced in the DHT record.")
+@click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative).")
+@data_dir_opt
+@ready_opt
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, capacity, data_dir, ready_file) -> None:
+    """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
+    if bool(model_path) == bool(slice_path):
+        raise click.UsageError("give exactly one of --model and --slice")
+    model = GGUFModel(model_path or slice_path)
+    lr = parse_range(layers, model.cfg.n_layer, "layer") if layers else None
+    er = parse_range(experts_, model.cfg.n_expert, "expert") if experts_ else None
+    opts = WorkerOptions(
+        model=model.path,
+        layers=lr,
+        experts=ExpertRange(er.start, er.stop) if er else None,
+        listen=parse_hostport(listen),
+        dht_listen=dht_listen,
+        bootstrap=bootstrap,
+        memory_budget=parse_size(memory_budget) if memory_budget else None,
+        price=price,
+        capacity=capacity,
+        advertise=advertise,
+        model_digest=model_digest,
+    )
+    ident = load_identity(node_dir(data_dir, "worker"))
+    asyncio.run(run_worker(ident, opts, ready_file))
+
+
+@main.group("backbone")
+def backbone_group() -> None:
+    """Backbone: run a model whose experts live on swarm workers."""
+
+
+@backbone_group.command("generate")
+@click.option("--model", "model_path", required=True, help="Full model GGUF (the backbone runs its dense part).")
+@bootstrap_opt
+@click.argument("prompt")
+@click.option("--tokens", "n_tokens", default=32, show_default=True)
+@click.option("--wire", default="f32", show_default=True, type=click.Choice(["f32", "f16", "int8"]))
+@click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts.")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds before a host is given up for a dispatch.")
+@data_dir_opt
+@click.option("--json", "as_json", is_flag=True)
+def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, data_dir, as_json) -> None:
+    """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
+    model = GGUFModel(model_path)
+    ident = load_identity(node_dir(data_dir, "backbone"))
+    result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, Codec.parse(wire), wait_hosts, timeout, stream=not as_json))
+    if as_json:
+        emit_json(result)
+
+
+async def _generate(ident, model, bootstrap, prompt, n_tokens, codec, wait_hosts, timeout, *, stream: bool) -> dict:
+    tok = Tokenizer.from_spec(model.tokenizer_spec)
+    bb = Backbone(model)
+    async with backbone_session(ident, model, bootstrap, codec=codec, timeout=timeout) as moe:
+        await wait_for_hosts(moe, model.layers, wait_hosts, 60)
+        out = []
+        dec = StreamDecoder(tok)
+        if stream:
+            click.echo(prompt, nl=False)
+
+        def run() -> None:
+            for t, _ in generate(bb, tok.encode(prompt), n_tokens, moe.hook, stop={tok.eos_id}):
+                out.append(t)
+                if stream:
+                    click.echo(dec.push(t), nl=False)
+
+        t0 = time.perf_counter()
+        await asyncio.to_thread(run)
+        elapsed = time.perf_counter() - t0
+        if stream:
+            click.echo(dec.flush())
+            click.echo(json.dumps(moe.stats.summary()), err=True)
+        return {"tokens": len(out), "text": tok.decode(out), "token_ids": out, "tokens_per_s": round(len(out) / elapsed, 3), **moe.stats.summary()}

@@ -1,0 +1,50 @@
+"""What every long-running node process shares: data directory, key, ready file, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+from p2p.identity import Identity
+
+
+def data_dir(path: str | None, role: str) -> Path:
+    d = Path(path) if path else Path(os.environ.get("MOESWARM_HOME") or Path.home() / ".moeswarm") / role
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def load_identity(directory: Path) -> Identity:
+    return Identity.load_or_create(directory / "key.pem")
+
+
+def write_ready(path: str | None, info: dict) -> None:
+    """Atomically publish how to reach this node (for launchers and tests waiting on it)."""
+    if not path:
+        return
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {text!r} must be HOST:PORT, e.g. 127.0.0.1:4433")
+    return host.strip("[]"), int(port)
+
+
+async def until_stopped() -> None:
+    """Wait for SIGINT or SIGTERM, so callers can shut down gracefully (withdraw, close) in a finally."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

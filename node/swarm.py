@@ -1,0 +1,116 @@
+"""Node assembly: a worker or backbone = identity + QUIC endpoint + DHT discovery + its engine.
+
+The CLI and the demo call these; tests start them as real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from experts.codecs import Codec
+from experts.gguf_model import ExpertRange, GGUFModel
+from experts.slices import ExpertStore, check_slice
+from p2p.dht import LibP2PDiscovery
+from p2p.discovery import CachedDiscovery
+from p2p.identity import Identity
+from p2p.quic import Endpoint
+from p2p.records import HostedSlice
+
+from .backbone import RemoteMoE
+from .runtime import until_stopped, write_ready
+from .worker import Worker
+
+log = structlog.get_logger("node.swarm")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    model: Path
+    layers: range | None
+    experts: ExpertRange | None
+    listen: tuple[str, int]
+    dht_listen: str
+    bootstrap: Sequence[str]
+    memory_budget: int | None = None
+    price: int = 0
+    capacity: int = 0
+    advertise: str | None = None  # host:port others should dial (default: the bound address)
+    model_digest: str | None = None  # for a slice: the model it must belong to
+
+
+async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None) -> None:
+    """Load the slice, serve dispatches, announce until SIGINT/SIGTERM, then withdraw and close."""
+    model = GGUFModel(opts.model)
+    if model.is_slice:
+        check_slice(model, opts.model_digest)
+    store = ExpertStore(model, opts.layers, opts.experts, memory_budget=opts.memory_budget)
+    worker = Worker(identity, store, price=opts.price)
+    endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle)
+    addr = opts.advertise or f"{opts.listen[0]}:{endpoint.local_addr[1]}"
+    slices = [
+        HostedSlice(model.digest, layer, ((store.experts.start, store.experts.stop),), quic_addr=addr, capacity=opts.capacity, price=opts.price)
+        for layer in store.layers
+    ]
+    dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap)
+    try:
+        await dht.start()
+        await dht.announce(slices)
+        log.info("worker.ready", peer=str(identity.peer_id), quic=addr, layers=f"{store.layers.start}-{store.layers.stop - 1}", experts=str(store.experts), mode=store.plan.mode)
+        write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "dht_addrs": dht.multiaddrs, "load": store.plan.mode})
+        await until_stopped()
+    finally:
+        try:
+            await asyncio.wait_for(dht.withdraw(), 10)
+            log.info("worker.withdrawn", peer=str(identity.peer_id))
+        except Exception as exc:  # shutdown goes on; records then expire on their own
+            log.warning("worker.withdraw_failed", error=repr(exc))
+        await endpoint.close()
+        await dht.close()
+        worker.close()
+
+
+async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequence[str], ready_file: str | None) -> None:
+    async with LibP2PDiscovery(identity, listen=listen, bootstrap=bootstrap) as node:
+        write_ready(ready_file, {"role": "bootstrap", "peer_id": str(identity.peer_id), "dht_addrs": node.multiaddrs})
+        log.info("bootstrap.ready", addrs=node.multiaddrs)
+        await until_stopped()
+
+
+@asynccontextmanager
+async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, memory_budget: int | None = None):
+    """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, local fallback experts."""
+    endpoint = await Endpoint.bind(identity, "127.0.0.1" if dht_listen.startswith("127.") else "0.0.0.0", 0, handler=None)
+    dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
+    try:
+        await dht.start()
+        cfg = model.cfg
+        moe = RemoteMoE(endpoint, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model, memory_budget=memory_budget), codec=codec, timeout=timeout)
+        moe.loop = asyncio.get_running_loop()
+        yield moe
+    finally:
+        await endpoint.close()
+        await dht.close()
+
+
+async def wait_for_hosts(moe: RemoteMoE, layers: range, n_hosts: int, deadline_s: float) -> None:
+    """Poll the DHT until every layer lists *n_hosts* hosts (workers announce asynchronously)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        counts = []
+        for layer in layers:
+            moe.discovery.invalidate(moe.model_digest, layer)  # ask the DHT, not the cache, while waiting
+            counts.append(len(await moe.discovery.lookup(moe.model_digest, layer)))
+        if min(counts) >= n_hosts:
+            await moe.refresh(layers)
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the DHT lists {counts} hosts per layer after {deadline_s:.0f} s; expected {n_hosts}")
+        await asyncio.sleep(0.5)
+
