@@ -63,14 +63,17 @@ class DispatchStats:
         ok = [r for r in self.records if r.ok]
         lat = np.array([r.latency_ms for r in ok]) if ok else np.zeros(1)
         per_peer: dict[str, int] = {}
+        per_layer: dict[int, set[str]] = {}
         for r in ok:
             per_peer[r.peer] = per_peer.get(r.peer, 0) + 1
+            per_layer.setdefault(r.layer, set()).add(r.peer)
         visits = max(self.tokens_forwarded, 1)
         return {
             "dispatches": len(ok),
             "failed_dispatches": len(self.records) - len(ok),
             "local_groups": self.local_groups,
             "per_peer": per_peer,
+            "hosts_per_layer": {layer: len(peers) for layer, peers in sorted(per_layer.items())},
             "bytes_per_token_per_layer": {
                 "out": round(sum(r.bytes_out for r in ok) / visits, 1),
                 "back": round(sum(r.bytes_back for r in ok) / visits, 1),

@@ -1,13 +1,19 @@
-"""`moeswarm demo`: generate text from the embedded model with its experts split into groups.
+"""`moeswarm demo`: a real local swarm on the embedded model.
 
-At this stage the groups run in this process and every group's traffic crosses the
-wire codec (encode -> bytes -> decode), as it will between real processes; the run
-is checked against the plain local forward.
+Starts a DHT bootstrap node and three workers (separate OS processes on loopback,
+each hosting a third of every layer's experts), then runs a backbone here that
+finds them through the DHT and dispatches every MoE layer to them over QUIC.
+The generated text is checked against the single-process forward with the same
+expert grouping (bit-identical with the F32 wire). Every process is stopped at
+the end, also on Ctrl-C or an error.
 """
 
 from __future__ import annotations
 
+import asyncio
+import tempfile
 import time
+from pathlib import Path
 
 import click
 
@@ -19,60 +25,87 @@ from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import StreamDecoder, Tokenizer
-from experts.verify import wire_moe
+from p2p.identity import Identity
 
 from .cli import emit_json, main
+from .launcher import Cluster
+from .swarm import backbone_session, wait_for_hosts
 
 
 @main.command("demo")
-@click.option("--model", "model_path", default=str(EMBEDDED_MODEL), show_default=False, help="GGUF model (default: the embedded one).")
+@click.option("--model", "model_path", default=str(EMBEDDED_MODEL), help="GGUF model (default: the embedded one).")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
-@click.option("--tokens", "n_tokens", default=32, show_default=True)
-@click.option("--workers", default=3, show_default=True, help="Expert groups the model is split into.")
+@click.option("--tokens", "n_tokens", default=48, show_default=True)
+@click.option("--workers", "n_workers", default=3, show_default=True, help="Worker processes; each hosts an equal share of the experts.")
+@click.option("--wire", default="f32", show_default=True, type=click.Choice(["f32", "f16", "int8"]))
+@click.option("--workdir", default=None, help="Keep node logs and keys here (default: a temporary directory).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary instead of streaming text.")
-def demo_cmd(model_path: str, prompt: str, n_tokens: int, workers: int, as_json: bool) -> None:
-    """Generate text from the embedded model with its experts split across groups; check it equals the local run."""
+def demo_cmd(model_path: str, prompt: str, n_tokens: int, n_workers: int, wire: str, workdir: str | None, as_json: bool) -> None:
+    """Start a bootstrap node and workers on loopback, generate text through them, compare with the local run."""
     model = GGUFModel(model_path)
+    part = Partition.even(model.cfg.n_expert, n_workers)
+    with tempfile.TemporaryDirectory(prefix="moeswarm-demo-") as tmp:
+        root = Path(workdir) if workdir else Path(tmp)
+        with Cluster(root) as cluster:
+            say = (lambda *a: None) if as_json else click.echo
+            say(f"model {model.path.name}: {model.cfg.arch}, {model.cfg.n_layer} MoE layers, {model.cfg.n_expert} experts top-{model.cfg.n_expert_used}, digest {model.digest[:16]}...")
+            boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()
+            addr = boot["dht_addrs"][0]
+            say(f"bootstrap {boot['peer_id']} at {addr}")
+            procs = [cluster.start(f"worker{i}", "worker", "--model", str(model.path), "--experts", f"{a}-{b - 1}", "--bootstrap", addr) for i, (a, b) in enumerate(part.bounds)]
+            workers = [p.wait_ready() for p in procs]
+            for w, (a, b) in zip(workers, part.bounds):
+                say(f"worker {w['peer_id']} at {w['quic_addr']}: experts {a}-{b - 1} of every layer ({w['load']})")
+            summary = asyncio.run(_run(model, part, addr, prompt, n_tokens, Codec.parse(wire), n_workers, stream=not as_json))
+    summary["workers"] = [{"peer_id": w["peer_id"], "experts": f"{a}-{b - 1}", "path": "direct", "dispatches": summary["per_peer"].get(w["peer_id"], 0)} for w, (a, b) in zip(workers, part.bounds)]
+    summary["ledger_paths"] = []
+    if as_json:
+        emit_json(summary)
+    else:
+        for w in summary["workers"]:
+            click.echo(f"  {w['peer_id']}: {w['dispatches']} dispatches ({w['path']})")
+        bpt = summary["bytes_per_token_per_layer"]
+        click.echo(f"hosts per layer {summary['hosts_per_layer']}; bytes per token per layer: out {bpt['out']}, back {bpt['back']}; "
+                   f"round trip p50 {summary['rtt_ms']['p50']} ms, p99 {summary['rtt_ms']['p99']} ms; failed dispatches {summary['failed_dispatches']}")
+        click.echo(f"{summary['tokens']} tokens at {summary['tokens_per_s']} tokens/s; identical to the single-process run: {summary['identical_to_local']}")
+    if not summary["identical_to_local"] and wire == "f32":
+        raise SystemExit(1)
+
+
+async def _run(model: GGUFModel, part: Partition, bootstrap: str, prompt: str, n_tokens: int, codec: Codec, n_workers: int, *, stream: bool) -> dict:
     tok = Tokenizer.from_spec(model.tokenizer_spec)
     bb = Backbone(model)
-    store = ExpertStore(model)
-    part = Partition.even(model.cfg.n_expert, workers)
     ids = tok.encode(prompt)
     stop = {tok.eos_id}
+    async with backbone_session(Identity.generate(), model, [bootstrap], codec=codec) as moe:
+        await wait_for_hosts(moe, model.layers, 1, 60)
+        out: list[int] = []
+        dec = StreamDecoder(tok)
+        if stream:
+            click.echo(prompt, nl=False)
 
-    if not as_json:
-        click.echo(f"model {model.path.name} ({model.cfg.arch}, {model.cfg.n_layer} MoE layers, {model.cfg.n_expert} experts, top-{model.cfg.n_expert_used}), "
-                   f"digest {model.digest[:16]}...; experts split into {len(part.bounds)} groups {[f'{a}-{b - 1}' for a, b in part.bounds]}")
-        click.echo(prompt, nl=False)
-    stream = StreamDecoder(tok)
-    out: list[int] = []
-    t0 = time.perf_counter()
-    for t, _ in generate(bb, ids, n_tokens, wire_moe(store, part, Codec.F32), stop=stop):
-        out.append(t)
-        if not as_json:
-            click.echo(stream.push(t), nl=False)
-    elapsed = time.perf_counter() - t0
-    if not as_json:
-        click.echo(stream.flush())
+        def run() -> None:
+            for t, _ in generate(bb, ids, n_tokens, moe.hook, stop=stop):
+                out.append(t)
+                if stream:
+                    click.echo(dec.push(t), nl=False)
+
+        t0 = time.perf_counter()
+        await asyncio.to_thread(run)
+        elapsed = time.perf_counter() - t0
+        if stream:
+            click.echo(dec.flush())
+        stats = moe.stats.summary()
+    store = ExpertStore(model)
     local = [t for t, _ in generate(bb, ids, n_tokens, lambda i, x, e, w: grouped_moe(store, part, i, x, e, w), stop=stop)]
-    summary = {
+    return {
         "model": str(model.path),
         "model_digest": model.digest,
         "prompt": prompt,
         "tokens": len(out),
         "text": tok.decode(out),
         "identical_to_local": out == local,
-        "groups": [f"{a}-{b - 1}" for a, b in part.bounds],
-        "tokens_per_s": round(len(out) / elapsed, 2) if elapsed > 0 else None,
-        "workers": [],
-        "ledger_paths": [],
+        "wire": codec.name.lower(),
+        "tokens_per_s": round(len(out) / elapsed, 2),
+        **stats,
     }
-    if as_json:
-        emit_json(summary)
-    else:
-        click.echo(f"{len(out)} tokens in {elapsed:.2f} s ({summary['tokens_per_s']} tokens/s); identical to the single-process run: {summary['identical_to_local']}")
-    if not summary["identical_to_local"]:
-        raise SystemExit(1)
-
-
-__all__ = ["demo_cmd"]
