@@ -110,9 +110,10 @@ class LoadPlan:
 class ExpertStore(ExpertSource):
     """The experts a node hosts, from a full model or a slice, within a memory budget.
 
-    With room for every hosted expert in float32 it dequantizes once ("cached");
-    otherwise it keeps only the quantized memory map and dequantizes per call
-    ("on-the-fly"): slower, but a phone can host a slice larger than its RAM.
+    With room for every hosted expert in float32 it keeps each expert dequantized
+    after its first use ("cached"; :meth:`warm` fills it up front); otherwise it
+    keeps only the quantized memory map and dequantizes per call ("on-the-fly"):
+    slower, but a phone can host a slice larger than its RAM.
     """
 
     def __init__(self, model: GGUFModel, layers: range | None = None, experts: ExpertRange | None = None, *, memory_budget: int | None = None) -> None:
@@ -126,10 +127,6 @@ class ExpertStore(ExpertSource):
         self.plan = self.plan_for(model, memory_budget, self.layers, self.experts)
         mode, need = self.plan.mode, self.plan.cached_bytes
         self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        if mode == "cached":
-            for i in self.layers:
-                for e in range(self.experts.start, self.experts.stop):
-                    self._cache[(i, e)] = model.expert_weights(i, e)
         log.info("experts.loaded", path=str(model.path), layers=f"{self.layers.start}-{self.layers.stop - 1}", experts=str(self.experts), mode=mode, float_bytes=need, budget=memory_budget)
 
     @staticmethod
@@ -147,4 +144,15 @@ class ExpertStore(ExpertSource):
         if not self.holds(layer, expert):
             raise SliceError(f"expert {expert} of layer {layer} is not hosted here")
         cached = self._cache.get((layer, expert))
-        return cached if cached is not None else self.model.expert_weights(layer, expert)
+        if cached is None:
+            cached = self.model.expert_weights(layer, expert)
+            if self.plan.mode == "cached":
+                self._cache[(layer, expert)] = cached
+        return cached
+
+    def warm(self) -> None:
+        """Dequantize every hosted expert now (cached mode), so the first dispatches pay nothing."""
+        if self.plan.mode == "cached":
+            for i in self.layers:
+                for e in range(self.experts.start, self.experts.stop):
+                    self.weights(i, e)

@@ -37,18 +37,6 @@ def _time(fn, repeat: int) -> float:
     return float(np.median(samples))
 
 
-def wire_bytes(d: int, k: int) -> dict:
-    """Payload bytes per token per layer: hidden out (+ k ids and weights), answers back."""
-    route_meta = k * (2 + 4)  # int16 expert id + float32 weight per slot
-    out = {}
-    for codec in Codec:
-        name = codec.name.lower()
-        hidden = encoded_size(codec, 1, d)
-        out[f"raw_{name}"] = {"out": hidden + route_meta, "back": k * hidden, "total": hidden + route_meta + k * hidden}
-        out[f"partial_{name}"] = {"out": hidden + route_meta, "back": hidden, "total": 2 * hidden + route_meta}
-    return out
-
-
 @bench_group.command("experts")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--repeat", default=5, show_default=True)
@@ -77,7 +65,7 @@ def bench_experts(as_json: bool, repeat: int, qtype: str, write_md: str | None) 
         "config": {**REFERENCE, "qtype": qtype},
         "machine": f"{platform.machine()}, numpy {np.__version__}",
         "expert_compute": compute,
-        "bytes_per_token_per_layer": wire_bytes(cfg.n_embd, cfg.n_expert_used),
+        "bytes_per_token_per_layer": message_bytes(cfg.n_embd, cfg.n_expert_used),
     }
     if write_md:
         _append_md(write_md, "moeswarm bench experts --json", result)
@@ -95,3 +83,92 @@ def _append_md(path: str, command: str, result: dict) -> None:
 
     with open(path, "a") as f:
         f.write(f"\n### `{command}` ({time.strftime('%Y-%m-%d')})\n\n```json\n{json.dumps(result, indent=1)}\n```\n")
+
+
+def message_bytes(d: int, k: int, n_tokens: int = 1) -> dict:
+    """Exact dispatch message sizes per token per layer, for one worker holding all k experts of a token.
+
+    ``partial_*``: what the protocol sends (one weighted sum per token back). ``raw_*``: the
+    baseline of returning every expert's output (k vectors per token), sized with the same framing.
+    """
+    from p2p import wire
+
+    out = {}
+    ids = tuple(range(k)) * n_tokens
+    weights = (1.0 / k,) * (k * n_tokens)
+    for codec in Codec:
+        hidden = b"\0" * encoded_size(codec, n_tokens, d)
+        req = wire.DispatchRequest(b"\1" * 16, b"\2" * 32, 0, codec, n_tokens, k, ids, weights, hidden, 0).encode()
+        for kind, rows in (("partial", n_tokens), ("raw", n_tokens * k)):
+            reply = wire.DispatchReply(b"\1" * 16, codec, n_tokens, b"\0" * encoded_size(codec, rows, d), 0, b"\0" * 72).encode()
+            out[f"{kind}_{codec.name.lower()}"] = {"out": len(req) / n_tokens, "back": len(reply) / n_tokens, "total": (len(req) + len(reply)) / n_tokens}
+    return out
+
+
+@bench_group.command("dispatch")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--tokens", "n_tokens", default=16, show_default=True, help="Decode steps timed per path.")
+@click.option("--qtype", default="Q4_K", show_default=True)
+@click.option("--layers", "n_layer", default=1, show_default=True)
+@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
+def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, write_md: str | None) -> None:
+    """Loopback decode throughput, remote (1 worker process over QUIC) vs all-local, and exact message bytes."""
+    import asyncio
+
+    from experts.forward import Backbone
+    from experts.generate import generate
+    from experts.moe import Partition, grouped_moe
+    from p2p.identity import Identity
+
+    from .launcher import Cluster
+    from .swarm import backbone_session, wait_for_hosts
+
+    cfg = random_config(**{**REFERENCE, "n_layer": n_layer})
+    prompt = [72, 101, 108, 108, 111]
+    with tempfile.TemporaryDirectory(prefix="moeswarm-bench-") as tmp:
+        path = Path(tmp) / "reference.gguf"
+        write_random_model(path, cfg, qtype=gguf.GGMLQuantizationType[qtype])
+        model = GGUFModel(path)
+        bb = Backbone(model)
+        store = ExpertStore(model)
+        whole = Partition(((0, cfg.n_expert),))
+        local_hook = lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w)  # noqa: E731
+        store.warm()
+
+        def decode(hook) -> tuple[list[int], float]:
+            t = time.perf_counter()
+            toks = [tok for tok, _ in generate(bb, prompt, n_tokens, hook)]
+            return toks, len(toks) / (time.perf_counter() - t)
+
+        local_toks, local_tps = decode(local_hook)
+        with Cluster(Path(tmp) / "nodes") as cluster:
+            boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
+            cluster.start("worker", "worker", "--model", str(path), "--bootstrap", boot).wait_ready(600)
+
+            async def remote():
+                async with backbone_session(Identity.generate(), model, [boot]) as moe:
+                    await wait_for_hosts(moe, model.layers, 1, 60)
+                    await asyncio.to_thread(decode, moe.hook)  # warm-up: connection, RTT estimates
+                    moe.stats.records.clear()
+                    toks, tps = await asyncio.to_thread(decode, moe.hook)
+                    return toks, tps, moe.stats.summary()
+
+            remote_toks, remote_tps, stats = asyncio.run(remote())
+    result = {
+        "config": {**REFERENCE, "n_layer": n_layer, "qtype": qtype},
+        "machine": f"{platform.machine()}, numpy {np.__version__}, OPENBLAS_NUM_THREADS=1",
+        "bytes_per_token_per_layer": message_bytes(cfg.n_embd, cfg.n_expert_used),
+        "measured_f32_bytes_per_token_per_layer": stats["bytes_per_token_per_layer"],
+        "throughput": {"local_tokens_s": round(local_tps, 3), "remote_tokens_s": round(remote_tps, 3), "ratio": round(remote_tps / local_tps, 3)},
+        "identical": remote_toks == local_toks,
+        "rtt_ms": stats["rtt_ms"],
+    }
+    if write_md:
+        _append_md(write_md, "moeswarm bench dispatch --json", result)
+    if as_json:
+        emit_json(result)
+    else:
+        for k, v in result["bytes_per_token_per_layer"].items():
+            click.echo(f"{k}: out {v['out']:.0f} B, back {v['back']:.0f} B, total {v['total']:.0f} B")
+        t = result["throughput"]
+        click.echo(f"decode: local {t['local_tokens_s']} tokens/s, remote {t['remote_tokens_s']} tokens/s, ratio {t['ratio']}; identical {result['identical']}")

@@ -51,6 +51,7 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
     if model.is_slice:
         check_slice(model, opts.model_digest)
     store = ExpertStore(model, opts.layers, opts.experts, memory_budget=opts.memory_budget)
+    await asyncio.to_thread(store.warm)  # announce only once dispatches are served at full speed
     worker = Worker(identity, store, price=opts.price)
     endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle)
     addr = opts.advertise or f"{opts.listen[0]}:{endpoint.local_addr[1]}"
