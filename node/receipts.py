@@ -16,7 +16,7 @@ import json
 import struct
 from dataclasses import asdict, dataclass
 
-from p2p.identity import Identity, PeerId
+from p2p.identity import Identity, IdentityError, PeerId
 
 SIGNING_CONTEXT = b"moeswarm/receipt/v1\0"
 STAMP = struct.Struct("<Q64s")
@@ -91,5 +91,9 @@ def verify(receipt: Receipt, stamp: ReceiptStamp) -> None:
     """Raise ReceiptError unless the worker named in *receipt* signed exactly it."""
     if stamp.issued_at_us != receipt.issued_at_us:
         raise ReceiptError("receipt stamp time differs from the receipt's")
-    if not PeerId.from_string(receipt.worker).verify(receipt.body(), stamp.signature):
+    try:
+        worker = PeerId.from_string(receipt.worker)
+    except IdentityError as exc:
+        raise ReceiptError(f"receipt {receipt.dispatch_id} names no valid worker: {exc}") from None
+    if not worker.verify(receipt.body(), stamp.signature):
         raise ReceiptError(f"receipt {receipt.dispatch_id} is not signed by worker {receipt.worker}")

@@ -131,3 +131,49 @@ def test_malformed_frames_leave_the_worker_serving(model_dir):
 
 async def wep_request(cep, wep, ident, frame):
     return await cep.request(wep.local_addr, ident.peer_id, frame, timeout=5.0)
+
+
+def test_concurrent_backbones_are_batched_into_one_compute_call(model_dir):
+    """Requests for one layer from two backbones that arrive during a compute call share the next one, with exact answers."""
+    import threading
+
+    model = GGUFModel(make_model(model_dir, "qwen3moe"))
+    gate = threading.Event()
+
+    class GatedStore(ExpertStore):
+        def weights(self, layer, expert):
+            gate.wait(10)  # the first batch holds the compute thread until every request has queued
+            return super().weights(layer, expert)
+
+    async def main():
+        ident = Identity.generate()
+        worker = Worker(ident, GatedStore(model))
+        wep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
+        clients = [await Endpoint.bind(Identity.generate(), "127.0.0.1", 0, handler=None) for _ in range(2)]
+        rng = np.random.default_rng(0)
+        reqs = []
+        for i in range(8):
+            x = rng.standard_normal((2, model.cfg.n_embd)).astype(np.float32)
+            ids = np.array([[i % 8, (i + 3) % 8], [(i + 1) % 8, (i + 5) % 8]])
+            w = rng.random((2, 2)).astype(np.float32)
+            msg = wire.DispatchRequest(os.urandom(16), bytes.fromhex(model.digest), 1, Codec.F32, 2, 2, tuple(int(v) for v in ids.ravel()), tuple(float(v) for v in w.ravel()), x.tobytes(), 0)
+            reqs.append((x, ids, w, msg.encode()))
+        try:
+            tasks = [asyncio.create_task(clients[i % 2].request(wep.local_addr, ident.peer_id, r[3], timeout=20)) for i, r in enumerate(reqs)]
+            while sum(len(v) for v in worker._pending.values()) < len(reqs) - 1:
+                await asyncio.sleep(0.01)
+            gate.set()
+            replies = [wire.decode(r) for r in await asyncio.gather(*tasks)]
+            return reqs, replies, worker.stats
+        finally:
+            for c in clients:
+                await c.close()
+            await wep.close()
+            worker.close()
+
+    reqs, replies, stats = asyncio.run(main())
+    store = ExpertStore(model)
+    for (x, ids, w, _), reply in zip(reqs, replies):
+        want, _ = partial_sum(store, 1, x, ids, w.astype(np.float32), np.ones_like(ids, dtype=bool))
+        assert reply.partial == want.tobytes()
+    assert stats.dispatches == 8 and stats.batches == 2 and len(stats.by_peer) == 2
