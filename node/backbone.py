@@ -102,6 +102,7 @@ class RemoteMoE:
         self.endpoint = endpoint
         self.discovery = discovery
         self.model_digest = model_digest
+        self._model_id = wire.model_id_of(bytes.fromhex(model_digest))
         self.n_embd, self.n_ff_exp = n_embd, n_ff_exp
         self.fallback = fallback
         self.codec = codec
@@ -157,7 +158,7 @@ class RemoteMoE:
         n, k = ids.shape
         req = wire.DispatchRequest(
             dispatch_id=os.urandom(16),
-            model_digest=bytes.fromhex(self.model_digest),
+            model_id=self._model_id,
             layer=layer,
             codec=self.codec,
             n_tokens=n,
@@ -165,7 +166,6 @@ class RemoteMoE:
             expert_ids=tuple(int(e) for e in ids.ravel()),
             router_weights=tuple(float(v) for v in w.ravel()),
             hidden=codecs.encode(self.codec, x),
-            sent_at_us=time.time_ns() // 1000,
         )
         data = req.encode()
         self.router.started(host.peer_id)

@@ -98,7 +98,7 @@ def message_bytes(d: int, k: int, n_tokens: int = 1) -> dict:
     weights = (1.0 / k,) * (k * n_tokens)
     for codec in Codec:
         hidden = b"\0" * encoded_size(codec, n_tokens, d)
-        req = wire.DispatchRequest(b"\1" * 16, b"\2" * 32, 0, codec, n_tokens, k, ids, weights, hidden, 0).encode()
+        req = wire.DispatchRequest(b"\1" * 16, b"\2" * 16, 0, codec, n_tokens, k, ids, weights, hidden).encode()
         for kind, rows in (("partial", n_tokens), ("raw", n_tokens * k)):
             reply = wire.DispatchReply(b"\1" * 16, codec, n_tokens, b"\0" * encoded_size(codec, rows, d), 0, b"\0" * 72).encode()
             out[f"{kind}_{codec.name.lower()}"] = {"out": len(req) / n_tokens, "back": len(reply) / n_tokens, "total": (len(req) + len(reply)) / n_tokens}

@@ -67,7 +67,7 @@ class Worker:
         self.identity = identity
         self.store = store
         self.model_digest = store.model.digest
-        self._digest_raw = bytes.fromhex(self.model_digest)
+        self._model_id = wire.model_id_of(bytes.fromhex(self.model_digest))
         self.price = price
         self.path_of = path_of or (lambda peer: "direct")
         self.stats = WorkerStats()
@@ -98,8 +98,8 @@ class Worker:
         return reply
 
     async def _dispatch(self, peer: PeerId, req: wire.DispatchRequest, data: bytes, t0: float) -> bytes:
-        if req.model_digest != self._digest_raw:
-            raise UnknownModel("model_digest", f"this worker serves model {self.model_digest[:16]}..., not {req.model_digest.hex()[:16]}...")
+        if req.model_id != self._model_id:
+            raise UnknownModel("model_id", f"this worker serves model {self.model_digest[:16]}..., not {req.model_id.hex()[:16]}...")
         if req.layer not in self.store.layers:
             raise NotHosted("layer", f"layer {req.layer} is not hosted here (layers {self.store.layers.start}-{self.store.layers.stop - 1})")
         ids = np.asarray(req.expert_ids, dtype=np.int32).reshape(req.n_tokens, req.top_k)

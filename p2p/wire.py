@@ -4,7 +4,9 @@ This module is the protocol spec and its only implementation. It moves no bytes 
 no tensors (the codecs do): hidden states and partial sums are opaque payload bytes here. Every message is a frozen
 dataclass that validates itself on construction, so a value that exists can be encoded, and ``decode(m.encode()) == m``.
 
-Little-endian throughout. Every message is a header followed by a body of ``body_len`` bytes::
+Little-endian throughout. Every message is a header followed by a body of ``body_len`` bytes. The payload of a
+dispatch message is its last field and has no length prefix: its length is the rest of the body, which ``body_len``
+already gives::
 
     Header (11 bytes)
     off  size  field      value
@@ -27,19 +29,22 @@ Little-endian throughout. Every message is a header followed by a body of ``body
     DISPATCH_REQUEST (3): one layer's routed tokens for one worker
     size         field           value
     16           dispatch_id     correlates the reply
-    32           model_digest    raw digest of the model
+    16           model_id        the first 16 bytes of the model's 32-byte sha256 digest (``model_id_of``)
     2            layer           u16
     1            codec           u8; Codec of `hidden`
     1            top_k           u8; 1..MAX_TOP_K
     2            n_tokens        u16; 1..MAX_TOKENS
-    8            sent_at_us      u64; sender's clock
-    1            backbone_len    u8; <= MAX_PEER_ID, 0 = absent
-    backbone_len backbone_id     peer id bytes of the backbone
     2*S          expert_ids      i16 each, S = n_tokens*top_k, token-major; -1 = slot not for this worker;
                                  no expert twice within one token
     4*S          router_weights  f32 each, finite
-    4            hidden_len      u32; >= 1
-    hidden_len   hidden          codec-encoded hidden states
+    rest         hidden          codec-encoded hidden states; the rest of the body, >= 1 byte
+
+    A request names neither its sender nor its send time: the QUIC connection already authenticates the backbone,
+    and the backbone measures the round trip on its own clock. ``model_id`` selects a model, it is no integrity check:
+    a worker serves one model and compares ``model_id`` with the prefix of its own full digest. 128 bits make an
+    accidental match between distinct models negligible (about n^2 / 2^129 for n models). A deliberate one (~2^64
+    work) gains nothing: backbones choose workers by full digest (DHT records, Hello/HelloAck), the signed receipt
+    names the full digest, and a dishonest worker needs no collision to return wrong sums.
 
     DISPATCH_REPLY (4): one weighted partial sum per token
     size         field           value
@@ -47,10 +52,9 @@ Little-endian throughout. Every message is a header followed by a body of ``body
     1            codec           u8; Codec of `partial`
     2            n_tokens        u16; 1..MAX_TOKENS
     4            compute_us      u32; worker compute time
-    4            partial_len     u32; >= 1
-    partial_len  partial         codec-encoded partial sums
     2            receipt_len     u16; <= MAX_RECEIPT
     receipt_len  receipt         opaque (signed elsewhere); may be empty
+    rest         partial         codec-encoded partial sums; the rest of the body, >= 1 byte
 
     ERROR_REPLY (5)
     size         field           value
@@ -69,7 +73,7 @@ Hello and HelloAck are framed as version 1 forever, so peers of any version can 
 the negotiated version. In every version a DispatchRequest body starts with its dispatch id (``peek_dispatch_id``).
 
 Limits: MAX_MESSAGE 64 MiB (header included), MAX_TOKENS 4096, MAX_TOP_K 64, MAX_ERROR_TEXT 1024 bytes, MAX_RECEIPT
-4096 bytes, MAX_PEER_ID 64 bytes, MAX_MODELS 64. They are checked before anything is sliced or allocated. Every
+4096 bytes, MAX_MODELS 64. They are checked before anything is sliced or allocated. Every
 violation raises a ``ProtocolError`` subclass that names the field and carries the ``ErrorCode`` to answer it with
 (``error_reply_for``); ``peek_dispatch_id`` finds the id to put in that reply even in a request that did not decode.
 """
@@ -84,10 +88,11 @@ from typing import ClassVar, Self
 
 __all__ = [
     "DIGEST_LEN", "DISPATCH_ID_LEN", "HEADER_LEN", "MAGIC", "MAX_ERROR_TEXT", "MAX_MESSAGE", "MAX_MODELS",
-    "MAX_PEER_ID", "MAX_RECEIPT", "MAX_TOKENS", "MAX_TOP_K", "SUPPORTED_VERSIONS", "VERSION", "ZERO_ID", "BadCodec",
+    "MAX_RECEIPT", "MAX_TOKENS", "MAX_TOP_K", "MODEL_ID_LEN", "SUPPORTED_VERSIONS", "VERSION", "ZERO_ID", "BadCodec",
     "Codec", "DispatchReply", "DispatchRequest", "ErrorCode", "ErrorReply", "Header", "Hello", "HelloAck",
     "InvalidField", "Message", "MsgType", "Ping", "Pong", "ProtocolError", "Role", "TooLarge", "Truncated",
-    "Unknown", "UnsupportedVersion", "decode", "decode_header", "error_reply_for", "negotiate", "peek_dispatch_id",
+    "Unknown", "UnsupportedVersion", "decode", "decode_header", "error_reply_for", "model_id_of", "negotiate",
+    "peek_dispatch_id",
 ]
 
 MAGIC = b"MSW"
@@ -96,6 +101,7 @@ SUPPORTED_VERSIONS = (1,)
 HEADER_LEN = 11
 DISPATCH_ID_LEN = 16
 DIGEST_LEN = 32
+MODEL_ID_LEN = 16
 ZERO_ID = bytes(DISPATCH_ID_LEN)
 
 MAX_MESSAGE = 64 * 1024 * 1024  # header included
@@ -103,7 +109,6 @@ MAX_TOKENS = 4096
 MAX_TOP_K = 64
 MAX_ERROR_TEXT = 1024  # UTF-8 bytes
 MAX_RECEIPT = 4096
-MAX_PEER_ID = 64
 MAX_MODELS = 64
 
 _HEADER = struct.Struct("<3sBBHI")
@@ -281,6 +286,10 @@ class _Reader:
         fmt = struct.Struct(f"<{count}{code}")
         return fmt.unpack_from(self._view, self._advance(fmt.size, field))
 
+    def rest(self, lo: int, field: str) -> bytes:
+        """The body's remaining bytes: a last field without a length prefix (``body_len`` already bounds it)."""
+        return self.bytes(_count(field, len(self._view) - self._pos, lo, MAX_MESSAGE), field)
+
     def finish(self) -> None:
         left = len(self._view) - self._pos
         if left:
@@ -368,23 +377,21 @@ class DispatchRequest(_Message):
     """One MoE layer's routed tokens for one worker: which experts, with which router weights, on which states."""
 
     TYPE: ClassVar[MsgType] = MsgType.DISPATCH_REQUEST
-    _FIXED: ClassVar[int] = DISPATCH_ID_LEN + DIGEST_LEN + 2 + 1 + 1 + 2 + 8 + 1 + 4
+    _FIXED: ClassVar[int] = DISPATCH_ID_LEN + MODEL_ID_LEN + 2 + 1 + 1 + 2
 
     dispatch_id: bytes
-    model_digest: bytes
+    model_id: bytes  # model_id_of(the model's sha256 digest)
     layer: int
     codec: Codec
     n_tokens: int
     top_k: int
     expert_ids: tuple[int, ...]  # n_tokens*top_k, token-major; -1 = slot not for this worker
     router_weights: tuple[float, ...]  # n_tokens*top_k, as float32 (normalised on construction)
-    hidden: bytes
-    sent_at_us: int
-    backbone_id: bytes = b""  # empty = absent
+    hidden: bytes  # last on the wire: the rest of the body
 
     def __post_init__(self) -> None:
         _set(self, "dispatch_id", _bytes("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
-        _set(self, "model_digest", _bytes("model_digest", self.model_digest, DIGEST_LEN, DIGEST_LEN))
+        _set(self, "model_id", _bytes("model_id", self.model_id, MODEL_ID_LEN, MODEL_ID_LEN))
         _int("layer", self.layer, 0, 0xFFFF)
         _set(self, "codec", _enum(Codec, "codec", self.codec, BadCodec))
         _count("n_tokens", self.n_tokens, 1, MAX_TOKENS)
@@ -393,8 +400,6 @@ class DispatchRequest(_Message):
         _set(self, "expert_ids", self._check_experts(self.expert_ids, self.top_k, slots))
         _set(self, "router_weights", self._check_weights(self.router_weights, slots))
         _set(self, "hidden", _bytes("hidden", self.hidden, 1, MAX_MESSAGE))
-        _int("sent_at_us", self.sent_at_us, 0, 2**64 - 1)
-        _set(self, "backbone_id", _bytes("backbone_id", self.backbone_id, 0, MAX_PEER_ID))
         _check_total(self)
 
     @staticmethod
@@ -424,37 +429,28 @@ class DispatchRequest(_Message):
         slots = len(self.expert_ids)
         return (
             self.dispatch_id,
-            self.model_digest,
-            struct.pack(
-                "<HBBHQB", self.layer, self.codec, self.top_k, self.n_tokens, self.sent_at_us, len(self.backbone_id)
-            ),
-            self.backbone_id,
+            self.model_id,
+            struct.pack("<HBBH", self.layer, self.codec, self.top_k, self.n_tokens),
             struct.pack(f"<{slots}h", *self.expert_ids),
             struct.pack(f"<{slots}f", *self.router_weights),
-            _U32.pack(len(self.hidden)),
             self.hidden,
         )
 
     def _body_len(self) -> int:
-        return self._FIXED + len(self.backbone_id) + 6 * len(self.expert_ids) + len(self.hidden)
+        return self._FIXED + 6 * len(self.expert_ids) + len(self.hidden)
 
     @classmethod
     def _decode(cls, r: _Reader) -> Self:
         dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
-        model_digest = r.bytes(DIGEST_LEN, "model_digest")
+        model_id = r.bytes(MODEL_ID_LEN, "model_id")
         layer = r.int(_U16, "layer")
         codec = _enum(Codec, "codec", r.int(_U8, "codec"), BadCodec)
         top_k = _count("top_k", r.int(_U8, "top_k"), 1, MAX_TOP_K)
         n_tokens = _count("n_tokens", r.int(_U16, "n_tokens"), 1, MAX_TOKENS)
-        sent_at_us = r.int(_U64, "sent_at_us")
-        backbone_id = r.sized(_U8, 0, MAX_PEER_ID, "backbone_id")
         expert_ids = r.array("h", n_tokens * top_k, "expert_ids")
         router_weights = r.array("f", n_tokens * top_k, "router_weights")
-        hidden = r.sized(_U32, 1, MAX_MESSAGE, "hidden")
-        return cls(
-            dispatch_id, model_digest, layer, codec, n_tokens, top_k, expert_ids, router_weights, hidden, sent_at_us,
-            backbone_id,
-        )
+        hidden = r.rest(1, "hidden")
+        return cls(dispatch_id, model_id, layer, codec, n_tokens, top_k, expert_ids, router_weights, hidden)
 
 
 @dataclass(frozen=True)
@@ -462,12 +458,12 @@ class DispatchReply(_Message):
     """A worker's answer: per token, the router-weighted sum of its hosted experts' outputs."""
 
     TYPE: ClassVar[MsgType] = MsgType.DISPATCH_REPLY
-    _FIXED: ClassVar[int] = DISPATCH_ID_LEN + 1 + 2 + 4 + 4 + 2
+    _FIXED: ClassVar[int] = DISPATCH_ID_LEN + 1 + 2 + 4 + 2
 
     dispatch_id: bytes
     codec: Codec
     n_tokens: int
-    partial: bytes
+    partial: bytes  # last on the wire: the rest of the body
     compute_us: int
     receipt: bytes = b""
 
@@ -483,10 +479,9 @@ class DispatchReply(_Message):
     def _body_parts(self) -> tuple[bytes, ...]:
         return (
             self.dispatch_id,
-            struct.pack("<BHII", self.codec, self.n_tokens, self.compute_us, len(self.partial)),
-            self.partial,
-            _U16.pack(len(self.receipt)),
+            struct.pack("<BHIH", self.codec, self.n_tokens, self.compute_us, len(self.receipt)),
             self.receipt,
+            self.partial,
         )
 
     def _body_len(self) -> int:
@@ -498,8 +493,8 @@ class DispatchReply(_Message):
         codec = _enum(Codec, "codec", r.int(_U8, "codec"), BadCodec)
         n_tokens = _count("n_tokens", r.int(_U16, "n_tokens"), 1, MAX_TOKENS)
         compute_us = r.int(_U32, "compute_us")
-        partial = r.sized(_U32, 1, MAX_MESSAGE, "partial")
         receipt = r.sized(_U16, 0, MAX_RECEIPT, "receipt")
+        partial = r.rest(1, "partial")
         return cls(dispatch_id, codec, n_tokens, partial, compute_us, receipt)
 
 
@@ -679,6 +674,11 @@ def peek_dispatch_id(data: bytes | bytearray | memoryview) -> bytes:
     ):
         return bytes(view[HEADER_LEN : HEADER_LEN + DISPATCH_ID_LEN])
     return ZERO_ID
+
+
+def model_id_of(digest: bytes) -> bytes:
+    """The ``model_id`` a DispatchRequest carries for the model with this 32-byte sha256 digest: its first 16 bytes."""
+    return _bytes("digest", digest, DIGEST_LEN, DIGEST_LEN)[:MODEL_ID_LEN]
 
 
 def error_reply_for(exc: BaseException, dispatch_id: bytes = ZERO_ID) -> ErrorReply:

@@ -99,7 +99,7 @@ def test_malformed_frames_leave_the_worker_serving(model_dir):
         cep = await Endpoint.bind(cid, "127.0.0.1", 0, handler=None)
         rng = random.Random(5)
         x = np.ones((1, model.cfg.n_embd), dtype=np.float32)
-        good = wire.DispatchRequest(os.urandom(16), bytes.fromhex(model.digest), 0, Codec.F32, 1, 2, (1, 3), (0.5, 0.25), x.tobytes(), 0).encode()
+        good = wire.DispatchRequest(os.urandom(16), wire.model_id_of(bytes.fromhex(model.digest)), 0, Codec.F32, 1, 2, (1, 3), (0.5, 0.25), x.tobytes()).encode()
         codes = set()
         try:
             for i in range(1000):
@@ -156,7 +156,7 @@ def test_concurrent_backbones_are_batched_into_one_compute_call(model_dir):
             x = rng.standard_normal((2, model.cfg.n_embd)).astype(np.float32)
             ids = np.array([[i % 8, (i + 3) % 8], [(i + 1) % 8, (i + 5) % 8]])
             w = rng.random((2, 2)).astype(np.float32)
-            msg = wire.DispatchRequest(os.urandom(16), bytes.fromhex(model.digest), 1, Codec.F32, 2, 2, tuple(int(v) for v in ids.ravel()), tuple(float(v) for v in w.ravel()), x.tobytes(), 0)
+            msg = wire.DispatchRequest(os.urandom(16), wire.model_id_of(bytes.fromhex(model.digest)), 1, Codec.F32, 2, 2, tuple(int(v) for v in ids.ravel()), tuple(float(v) for v in w.ravel()), x.tobytes())
             reqs.append((x, ids, w, msg.encode()))
         try:
             tasks = [asyncio.create_task(clients[i % 2].request(wep.local_addr, ident.peer_id, r[3], timeout=20)) for i, r in enumerate(reqs)]

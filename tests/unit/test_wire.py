@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import struct
 import tracemalloc
 
@@ -17,6 +18,7 @@ from p2p.wire import (
     MAX_RECEIPT,
     MAX_TOKENS,
     MAX_TOP_K,
+    MODEL_ID_LEN,
     ZERO_ID,
     BadCodec,
     Codec,
@@ -39,6 +41,7 @@ from p2p.wire import (
     decode,
     decode_header,
     error_reply_for,
+    model_id_of,
     negotiate,
     peek_dispatch_id,
 )
@@ -56,7 +59,7 @@ def frame(msg_type: int, body: bytes, *, version: int = 1, flags: int = 0, body_
 
 REQUEST = DispatchRequest(
     dispatch_id=ID,
-    model_digest=b"\xdd" * 32,
+    model_id=b"\xdd" * 16,
     layer=258,
     codec=Codec.F16,
     n_tokens=2,
@@ -64,24 +67,20 @@ REQUEST = DispatchRequest(
     expert_ids=(3, -1, 0, 7),
     router_weights=(0.5, 0.0, 1.0, -2.0),
     hidden=b"\x01\x02\x03",
-    sent_at_us=0x0102030405060708,
-    backbone_id=b"pid",
 )
 REQUEST_BODY = bytes.fromhex(
     "000102030405060708090a0b0c0d0e0f"  # dispatch_id
-    + "dd" * 32  # model_digest
+    + "dd" * 16  # model_id
     + "0201"  # layer 258
     + "01"  # codec F16
     + "02"  # top_k
     + "0200"  # n_tokens
-    + "0807060504030201"  # sent_at_us
-    + "03" + "706964"  # backbone_len, backbone_id
     + "0300" "ffff" "0000" "0700"  # expert_ids 3, -1, 0, 7
     + "0000003f" "00000000" "0000803f" "000000c0"  # router_weights 0.5, 0.0, 1.0, -2.0
-    + "03000000" "010203"  # hidden_len, hidden
+    + "010203"  # hidden: the rest of the body
 )
 # Offsets of request fields inside REQUEST_BODY, for the malformed-input tests below.
-R_CODEC, R_TOP_K, R_N_TOKENS, R_BACKBONE_LEN, R_IDS, R_WEIGHTS, R_HIDDEN_LEN = 50, 51, 52, 62, 66, 74, 90
+R_CODEC, R_TOP_K, R_N_TOKENS, R_IDS, R_WEIGHTS, R_HIDDEN = 34, 35, 36, 38, 46, 62
 
 SNAPSHOTS = [
     pytest.param(
@@ -94,11 +93,11 @@ SNAPSHOTS = [
         "4d5357 01 02 0000 07000000" "01" "02 0102" "01 02" "00",
         id="hello_ack",
     ),
-    pytest.param(REQUEST, "4d5357 01 03 0000 61000000" + REQUEST_BODY.hex(), id="dispatch_request"),
+    pytest.param(REQUEST, "4d5357 01 03 0000 41000000" + REQUEST_BODY.hex(), id="dispatch_request"),
     pytest.param(
         DispatchReply(ID, Codec.F32, n_tokens=1, partial=b"\xab\xcd\xef\x01", compute_us=1000, receipt=b"sig"),
-        "4d5357 01 04 0000 24000000" "000102030405060708090a0b0c0d0e0f" "00" "0100" "e8030000"
-        "04000000 abcdef01" "0300 736967",
+        "4d5357 01 04 0000 20000000" "000102030405060708090a0b0c0d0e0f" "00" "0100" "e8030000"
+        "0300 736967" "abcdef01",
         id="dispatch_reply",
     ),
     pytest.param(
@@ -138,6 +137,7 @@ def test_every_message_type_has_a_snapshot():
 # --- round trips -----------------------------------------------------------------------------------------------------
 
 ids16 = st.binary(min_size=16, max_size=16)
+model_ids = st.binary(min_size=MODEL_ID_LEN, max_size=MODEL_ID_LEN)
 digests = st.binary(min_size=32, max_size=32)
 u64 = st.integers(0, 2**64 - 1)
 f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
@@ -155,7 +155,7 @@ def requests(draw, max_tokens: int = 5, max_top_k: int = 5) -> DispatchRequest:
         ids += [e if mine else -1 for e, mine in zip(experts, ours)]
     return DispatchRequest(
         dispatch_id=draw(ids16),
-        model_digest=draw(digests),
+        model_id=draw(model_ids),
         layer=draw(st.integers(0, 0xFFFF)),
         codec=draw(codecs),
         n_tokens=n_tokens,
@@ -163,8 +163,6 @@ def requests(draw, max_tokens: int = 5, max_top_k: int = 5) -> DispatchRequest:
         expert_ids=tuple(ids),
         router_weights=tuple(draw(st.lists(f32, min_size=n_tokens * top_k, max_size=n_tokens * top_k))),
         hidden=draw(st.binary(min_size=1, max_size=64)),
-        sent_at_us=draw(u64),
-        backbone_id=draw(st.binary(max_size=wire.MAX_PEER_ID)),
     )
 
 
@@ -225,13 +223,13 @@ def test_largest_request_round_trips():
     """A request at MAX_TOKENS x MAX_TOP_K is accepted and survives the round trip."""
     slots = MAX_TOKENS * MAX_TOP_K
     ids = tuple(e for _ in range(MAX_TOKENS) for e in range(MAX_TOP_K))
-    request = DispatchRequest(ID, b"\0" * 32, 1, Codec.INT8, MAX_TOKENS, MAX_TOP_K, ids, (0.25,) * slots, b"h", 0)
+    request = DispatchRequest(ID, b"\0" * 16, 1, Codec.INT8, MAX_TOKENS, MAX_TOP_K, ids, (0.25,) * slots, b"h")
     assert decode(request.encode()) == request
 
 
 def test_weights_are_held_as_float32():
     """Router weights are rounded to float32 on construction, so what a sender holds is exactly what arrives."""
-    request = DispatchRequest(ID, b"\0" * 32, 0, Codec.F32, 1, 1, (4,), (0.1,), b"h", 0)
+    request = DispatchRequest(ID, b"\0" * 16, 0, Codec.F32, 1, 1, (4,), (0.1,), b"h")
     assert request.router_weights == struct.unpack("<f", struct.pack("<f", 0.1))
     assert request.router_weights != (0.1,)
     assert decode(request.encode()) == request
@@ -327,12 +325,12 @@ def _patched_request(offset: int, replacement: bytes) -> bytes:
     [
         pytest.param(_patched_request(R_N_TOKENS, struct.pack("<H", MAX_TOKENS + 1)), "n_tokens", id="n_tokens"),
         pytest.param(_patched_request(R_TOP_K, bytes([MAX_TOP_K + 1])), "top_k", id="top_k"),
-        pytest.param(_patched_request(R_BACKBONE_LEN, b"\xff"), "backbone_id", id="backbone_id"),
-        pytest.param(_patched_request(R_HIDDEN_LEN, b"\xff\xff\xff\xff"), "hidden", id="hidden"),
+        pytest.param(frame(MsgType.DISPATCH_REQUEST, REQUEST_BODY, body_len=MAX_MESSAGE - wire.HEADER_LEN + 1),
+                     "body_len", id="hidden"),  # the last field's only bound is the header's
         pytest.param(frame(MsgType.ERROR_REPLY, ZERO_ID + b"\x01" + struct.pack("<H", MAX_ERROR_TEXT + 1)), "message",
                      id="error_text"),
-        pytest.param(frame(MsgType.DISPATCH_REPLY, ID + bytes.fromhex("00 0100 00000000 01000000 ff")
-                           + struct.pack("<H", MAX_RECEIPT + 1)), "receipt", id="receipt"),
+        pytest.param(frame(MsgType.DISPATCH_REPLY, ID + bytes.fromhex("00 0100 00000000")
+                           + struct.pack("<H", MAX_RECEIPT + 1) + b"\xff"), "receipt", id="receipt"),
         pytest.param(frame(MsgType.HELLO, bytes.fromhex("01 0101 0100") + bytes([wire.MAX_MODELS + 1])), "models",
                      id="models"),
     ],
@@ -355,6 +353,41 @@ def test_constructors_enforce_limits():
     assert refused.value.field == "message"
 
 
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        pytest.param(REQUEST, "hidden", id="request"),
+        pytest.param(DispatchReply(ID, Codec.F16, 1, b"p", 0, b"r" * 72), "partial", id="reply"),
+    ],
+)
+def test_payload_may_fill_a_message_up_to_max_message(message, field):
+    """The unprefixed last field can grow until the message is exactly MAX_MESSAGE bytes, and not one byte more."""
+    room = MAX_MESSAGE - message.encoded_len() + len(getattr(message, field))
+    assert dataclasses.replace(message, **{field: b"x" * room}).encoded_len() == MAX_MESSAGE
+    with pytest.raises(TooLarge) as refused:
+        dataclasses.replace(message, **{field: b"x" * (room + 1)})
+    assert refused.value.field == "message"
+
+
+def test_reference_dispatch_fits_the_byte_budget():
+    """At hidden 3072, top-8, F16, 1 token and a 72-byte receipt, request + reply total at most 12,500 bytes."""
+    payload = bytes(3072 * 2)
+    request = DispatchRequest(ID, bytes(MODEL_ID_LEN), 0, Codec.F16, 1, 8, tuple(range(8)), (0.125,) * 8, payload)
+    reply = DispatchReply(ID, Codec.F16, 1, payload, 0, bytes(72))
+    sizes = len(request.encode()), len(reply.encode())
+    assert sizes == (wire.HEADER_LEN + 38 + 6 * 8 + 6144, wire.HEADER_LEN + 25 + 72 + 6144) == (6241, 6252)
+    assert sum(sizes) <= 12_500
+
+
+def test_last_field_is_the_rest_of_the_body():
+    """hidden and partial carry no length: a byte appended to the body (body_len grown to match) joins them."""
+    request = decode(frame(MsgType.DISPATCH_REQUEST, REQUEST_BODY + b"\x04"))
+    assert request.hidden == b"\x01\x02\x03\x04"
+    assert dataclasses.replace(request, hidden=REQUEST.hidden) == REQUEST
+    reply = decode(frame(MsgType.DISPATCH_REPLY, ID + bytes.fromhex("01 0100 00000000 0100 aa bbcc")))
+    assert (reply.receipt, reply.partial) == (b"\xaa", b"\xbb\xcc")
+
+
 # --- malformed fields: each refusal names its field -----------------------------------------------------------------
 
 
@@ -363,9 +396,11 @@ def test_constructors_enforce_limits():
     [
         pytest.param(b"XSW" + REQUEST.encode()[3:], InvalidField, "magic", id="magic"),
         pytest.param(REQUEST.encode() + b"\0", InvalidField, "body_len", id="bytes-after-message"),
-        pytest.param(
-            frame(MsgType.DISPATCH_REQUEST, REQUEST_BODY + b"\0"), InvalidField, "body", id="bytes-after-body"
-        ),
+        pytest.param(frame(MsgType.ERROR_REPLY, ZERO_ID + bytes.fromhex("07 0400 62757379 00")), InvalidField, "body",
+                     id="bytes-after-error-reply"),
+        pytest.param(frame(MsgType.PING, bytes(17)), InvalidField, "body", id="bytes-after-ping"),
+        pytest.param(frame(MsgType.HELLO, bytes.fromhex("01 0101 0100 00 ff")), InvalidField, "body",
+                     id="bytes-after-hello"),
         pytest.param(frame(MsgType.PING, bytes(16), flags=1), InvalidField, "flags", id="flags"),
         pytest.param(_patched_request(R_N_TOKENS, b"\0\0"), InvalidField, "n_tokens", id="zero-tokens"),
         pytest.param(_patched_request(R_TOP_K, b"\0"), InvalidField, "top_k", id="zero-top-k"),
@@ -374,15 +409,23 @@ def test_constructors_enforce_limits():
         pytest.param(_patched_request(R_IDS + 2, b"\x03\x00"), InvalidField, "expert_ids", id="expert-twice-in-token"),
         pytest.param(_patched_request(R_WEIGHTS, b"\x00\x00\xc0\x7f"), InvalidField, "router_weights", id="nan"),
         pytest.param(_patched_request(R_WEIGHTS, b"\x00\x00\x80\x7f"), InvalidField, "router_weights", id="inf"),
-        pytest.param(_patched_request(R_HIDDEN_LEN, b"\x04"), Truncated, "hidden", id="hidden-longer-than-body"),
-        pytest.param(_patched_request(R_HIDDEN_LEN, b"\x02"), InvalidField, "body", id="hidden-shorter-than-body"),
-        pytest.param(_patched_request(R_HIDDEN_LEN, b"\x00"), InvalidField, "hidden", id="hidden-empty"),
+        pytest.param(frame(MsgType.DISPATCH_REQUEST, REQUEST_BODY[:R_HIDDEN]), InvalidField, "hidden",
+                     id="hidden-empty"),
         pytest.param(frame(MsgType.DISPATCH_REQUEST, REQUEST_BODY[:R_WEIGHTS]), Truncated, "router_weights",
                      id="weights-missing"),
-        pytest.param(frame(MsgType.DISPATCH_REPLY, ID + bytes.fromhex("00 0100 00000000 00000000 0000")),
+        pytest.param(frame(MsgType.DISPATCH_REQUEST, REQUEST_BODY[: R_WEIGHTS - 1]), Truncated, "expert_ids",
+                     id="ids-cut"),
+        pytest.param(frame(MsgType.DISPATCH_REQUEST, REQUEST_BODY[:20]), Truncated, "model_id", id="model-id-cut"),
+        pytest.param(frame(MsgType.DISPATCH_REPLY, ID + bytes.fromhex("00 0100 00000000 0000")),
                      InvalidField, "partial", id="partial-empty"),
-        pytest.param(frame(MsgType.DISPATCH_REPLY, ID + bytes.fromhex("00 0000 00000000 01000000 ff 0000")),
+        pytest.param(frame(MsgType.DISPATCH_REPLY, ID + bytes.fromhex("00 0100 00000000 0100 ff")),
+                     InvalidField, "partial", id="receipt-leaves-no-partial"),
+        pytest.param(frame(MsgType.DISPATCH_REPLY, ID + bytes.fromhex("00 0100 00000000 0500 ffff")),
+                     Truncated, "receipt", id="receipt-longer-than-body"),
+        pytest.param(frame(MsgType.DISPATCH_REPLY, ID + bytes.fromhex("00 0000 00000000 0000 ff")),
                      InvalidField, "n_tokens", id="reply-zero-tokens"),
+        pytest.param(frame(MsgType.DISPATCH_REPLY, ID + bytes.fromhex("09 0100 00000000 0000 ff")),
+                     BadCodec, "codec", id="reply-unknown-codec"),
         pytest.param(frame(MsgType.ERROR_REPLY, ZERO_ID + bytes.fromhex("01 0200 c328")), InvalidField, "message",
                      id="bad-utf8"),
         pytest.param(frame(MsgType.ERROR_REPLY, ZERO_ID + bytes.fromhex("63 0000")), InvalidField, "code",
@@ -411,10 +454,11 @@ def test_malformed_input_names_its_field(data, error, field):
         ({"router_weights": (0.5, 0.0, 1.0, 1e39)}, "router_weights"),
         ({"expert_ids": (3, -1, 0, 40000)}, "expert_ids"),
         ({"dispatch_id": b"short"}, "dispatch_id"),
-        ({"model_digest": "not bytes"}, "model_digest"),
+        ({"model_id": "not bytes"}, "model_id"),
+        ({"model_id": b"\xdd" * 32}, "model_id"),  # the full digest where its 16-byte prefix belongs
         ({"layer": -1}, "layer"),
         ({"codec": 7}, "codec"),
-        ({"sent_at_us": 2**64}, "sent_at_us"),
+        ({"hidden": b""}, "hidden"),
     ],
 )
 def test_constructor_refuses_inconsistent_requests(change, field):
@@ -494,8 +538,8 @@ def test_error_reply_for_unexpected_exception_is_internal_and_discreet():
 
 def test_error_reply_for_survives_text_that_is_not_utf8():
     """An exception text holding a lone surrogate (e.g. from a mis-decoded file name) still yields a valid reply."""
-    reply = error_reply_for(InvalidField("model_digest", "file \udcff missing"))
-    assert reply.message == "model_digest: file ? missing"
+    reply = error_reply_for(InvalidField("model_id", "file \udcff missing"))
+    assert reply.message == "model_id: file ? missing"
     assert decode(reply.encode()) == reply
 
 
@@ -504,6 +548,18 @@ def test_error_reply_for_clips_long_text_on_a_character_boundary():
     reply = error_reply_for(InvalidField("message", "é" * MAX_ERROR_TEXT))
     assert MAX_ERROR_TEXT - 2 < len(reply.message.encode()) <= MAX_ERROR_TEXT
     assert decode(reply.encode()) == reply
+
+
+def test_model_id_is_the_digest_prefix():
+    """model_id_of keeps the first MODEL_ID_LEN bytes of a full 32-byte digest and refuses anything else."""
+    digest = hashlib.sha256(b"a model").digest()
+    assert model_id_of(digest) == digest[:MODEL_ID_LEN]
+    request = dataclasses.replace(REQUEST, model_id=model_id_of(digest))
+    assert decode(request.encode()).model_id == digest[:MODEL_ID_LEN]
+    with pytest.raises(InvalidField):
+        model_id_of(digest[:MODEL_ID_LEN])
+    with pytest.raises(InvalidField):
+        model_id_of(digest.hex())
 
 
 def test_peek_dispatch_id():
