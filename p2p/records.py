@@ -1,0 +1,363 @@
+"""Signed host records: which peer hosts which experts of which (model, layer), and where to reach it.
+
+A worker publishes one record per hosted slice under the DHT key ``/moeswarm/<hash>``, the hash
+binding the key to (peer id, model, layer); every node validates records with `decode_and_validate`
+before storing or returning them. The expiry travels inside the signed bytes because libp2p 0.8.1 keeps
+every value for 24 h regardless of what it says: validity is decided here, never by the store.
+
+Sans-IO: no libp2p, no asyncio; the clock is a parameter. The encoding is canonical binary
+(fixed field order, big-endian integers, length-prefixed strings, no optional padding), so the
+signed bytes are exactly the transmitted bytes and any changed byte fails verification.
+
+Layout of a value (all integers big-endian)::
+
+    magic "MSR1" | peer id (u8 len + bytes) | model digest (32 bytes) | layer u16
+    | n ranges u8, n x (start u16, stop u16) | quic addr (u8 len + ASCII, empty = none)
+    | relay url (u16 len + ASCII) | relay peer id (u8 len + bytes; both empty = no relay)
+    | capacity u32 | price u64 | issued_at u64 | expires_at u64 | seq u64 | Ed25519 signature (64)
+
+The signature covers ``SIGNING_CONTEXT + everything before it``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from p2p.identity import Identity, IdentityError, PeerId
+
+NAMESPACE = "moeswarm"
+MAGIC = b"MSR1"
+SIGNING_CONTEXT = b"moeswarm/host-record/v1\n"
+SIGNATURE_BYTES = 64
+MAX_RANGES = 64
+MAX_QUIC_ADDR_BYTES = 255
+MAX_RELAY_URL_BYTES = 512
+# The largest record the limits above allow is 1243 bytes; anything bigger is refused unread.
+MAX_RECORD_BYTES = 1280
+MAX_LIFETIME = 24 * 3600  # libp2p stores values for 24 h; a longer promise could not be kept
+MAX_CLOCK_SKEW = 60  # seconds a record's issued_at may lie in the future of our clock
+_U16, _U32, _U64 = 0xFFFF, 0xFFFF_FFFF, 0xFFFF_FFFF_FFFF_FFFF
+_TAIL = struct.Struct(">IQQQQ")  # capacity, price, issued_at, expires_at, seq
+_HEX = frozenset("0123456789abcdef")
+
+
+class RecordError(ValueError):
+    """A record (or its DHT key) is not acceptable; the subclass says why."""
+
+
+class RecordTooLarge(RecordError):
+    """The value exceeds MAX_RECORD_BYTES (checked before parsing)."""
+
+
+class MalformedRecord(RecordError):
+    """The bytes do not decode to a well-formed record, or a field is out of range."""
+
+
+class BadSignature(RecordError):
+    """The signature does not verify against the peer id the record names."""
+
+
+class RecordExpired(RecordError):
+    """The record's expires_at has passed."""
+
+
+class RecordNotYetValid(RecordError):
+    """The record claims to be issued further in the future than clock skew explains."""
+
+
+class KeyMismatch(RecordError):
+    """The DHT key is outside our namespace or names another peer, model or layer than the record."""
+
+
+@dataclass(frozen=True)
+class RelayAddress:
+    """A WebSocket relay through which a NAT-bound worker is reachable, and the relay's own peer id."""
+
+    url: str
+    peer_id: PeerId
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not isinstance(self.peer_id, PeerId):
+            raise MalformedRecord("a relay address needs a URL string and the relay's PeerId")
+        raw = self.url.encode("utf-8", "surrogatepass")
+        if not 0 < len(raw) <= MAX_RELAY_URL_BYTES:
+            raise MalformedRecord(f"relay url must have 1..{MAX_RELAY_URL_BYTES} bytes, got {len(raw)}")
+        if not self.url.isascii() or not self.url.isprintable() or " " in self.url:
+            raise MalformedRecord(f"relay url {self.url!r} must be printable ASCII without spaces")
+        try:
+            parts = urlsplit(self.url)
+        except ValueError as exc:
+            raise MalformedRecord(f"relay url {self.url!r} does not parse: {exc}") from None
+        if parts.scheme not in ("ws", "wss") or not parts.netloc:
+            raise MalformedRecord(f"relay url {self.url!r} must be ws://host[:port]/... or wss://...")
+
+
+def _check_quic_addr(addr: str) -> None:
+    if not isinstance(addr, str):
+        raise MalformedRecord(f"quic address must be a 'host:port' string, got {type(addr).__name__}")
+    raw = addr.encode("utf-8", "surrogatepass")
+    if not 0 < len(raw) <= MAX_QUIC_ADDR_BYTES or not addr.isascii() or not addr.isprintable() or " " in addr:
+        raise MalformedRecord(f"quic address {addr!r} must be 1..{MAX_QUIC_ADDR_BYTES} printable ASCII bytes")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= _U16:
+        raise MalformedRecord(f"quic address {addr!r} must be host:port with port 1..65535")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise MalformedRecord(f"quic address {addr!r}: write IPv6 hosts in brackets, e.g. [::1]:4433")
+
+
+def _check_uint(name: str, value: int, limit: int) -> None:
+    if type(value) is not int or not 0 <= value <= limit:
+        raise MalformedRecord(f"{name} must be an integer in 0..{limit}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class HostedSlice:
+    """What a worker offers for one (model, layer): the content of a record, without peer and timing.
+
+    ``expert_ranges`` are half-open ``(start, stop)`` expert index ranges, sorted and disjoint.
+    A slice with no ranges is a tombstone: it replaces an earlier record to say "no longer hosted".
+    ``price`` is per work unit in the ledger's smallest unit (an integer, so signed bytes are exact).
+    """
+
+    model_digest: str
+    layer: int
+    expert_ranges: tuple[tuple[int, int], ...]
+    quic_addr: str | None = None
+    relay: RelayAddress | None = None
+    capacity: int = 0
+    price: int = 0
+
+    def __post_init__(self) -> None:
+        digest = self.model_digest
+        if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX:
+            raise MalformedRecord(f"model digest must be 64 lowercase hex characters (sha256), got {digest!r}")
+        _check_uint("layer", self.layer, _U16)
+        _check_uint("capacity", self.capacity, _U32)
+        _check_uint("price", self.price, _U64)
+        if not isinstance(self.expert_ranges, tuple) or len(self.expert_ranges) > MAX_RANGES:
+            raise MalformedRecord(f"expert_ranges must be a tuple of at most {MAX_RANGES} (start, stop) pairs")
+        previous_stop = 0
+        for pair in self.expert_ranges:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise MalformedRecord(f"expert range {pair!r} must be a (start, stop) tuple")
+            start, stop = pair
+            _check_uint("expert range start", start, _U16)
+            _check_uint("expert range stop", stop, _U16)
+            if not previous_stop <= start < stop:
+                raise MalformedRecord(f"expert ranges {self.expert_ranges} must be non-empty, sorted and disjoint")
+            previous_stop = stop
+        if self.quic_addr is not None:
+            _check_quic_addr(self.quic_addr)
+        if self.relay is not None and not isinstance(self.relay, RelayAddress):
+            raise MalformedRecord(f"relay must be a RelayAddress, got {type(self.relay).__name__}")
+        if self.expert_ranges and self.quic_addr is None and self.relay is None:
+            raise MalformedRecord("a hosted slice needs a QUIC address, a relay address, or both")
+
+    @classmethod
+    def tombstone(cls, model_digest: str, layer: int) -> HostedSlice:
+        return cls(model_digest, layer, ())
+
+    @property
+    def is_tombstone(self) -> bool:
+        return not self.expert_ranges
+
+    def experts(self) -> frozenset[int]:
+        return frozenset(e for start, stop in self.expert_ranges for e in range(start, stop))
+
+
+def value_key(peer_id: PeerId, model_digest: str, layer: int) -> str:
+    """The DHT key of peer_id's record for (model, layer): ``/moeswarm/`` + 200 bits of hash, base32.
+
+    The peer id is hashed in rather than spelled out because py-libp2p 0.8.1 servers refuse a
+    FIND_NODE for any key over 50 bytes that is not a multihash, and its put/get look keys up
+    with FIND_NODE: longer keys would only ever reach the peers already in our routing table.
+    """
+    material = b"moeswarm/record\0" + peer_id.raw + bytes.fromhex(model_digest) + layer.to_bytes(2, "big")
+    digest = hashlib.sha256(material).digest()[:25]
+    return f"/{NAMESPACE}/" + base64.b32encode(digest).decode("ascii").lower()
+
+
+@dataclass(frozen=True)
+class HostRecord:
+    """A hosted slice as signed by its peer, valid in [issued_at, expires_at) (unix seconds).
+
+    ``seq`` orders records of one key: the higher one replaces the lower (a refresh or a tombstone).
+    """
+
+    peer_id: PeerId
+    hosted: HostedSlice
+    issued_at: int
+    expires_at: int
+    seq: int
+    _body: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer_id, PeerId) or not isinstance(self.hosted, HostedSlice):
+            raise MalformedRecord("a host record needs a PeerId and a HostedSlice")
+        _check_uint("issued_at", self.issued_at, _U64)
+        _check_uint("expires_at", self.expires_at, _U64)
+        _check_uint("seq", self.seq, _U64)
+        if not 0 < self.expires_at - self.issued_at <= MAX_LIFETIME:
+            raise MalformedRecord(
+                f"lifetime {self.expires_at - self.issued_at}s must be in 1..{MAX_LIFETIME}s (expires_at > issued_at)"
+            )
+        object.__setattr__(self, "_body", self._encode_body())
+
+    @property
+    def key(self) -> str:
+        return value_key(self.peer_id, self.hosted.model_digest, self.hosted.layer)
+
+    def is_live(self, now: float) -> bool:
+        return not self.hosted.is_tombstone and now < self.expires_at
+
+    def body(self) -> bytes:
+        """The canonical unsigned encoding (what the signature covers, after SIGNING_CONTEXT)."""
+        return self._body
+
+    def _encode_body(self) -> bytes:
+        h = self.hosted
+        quic = (h.quic_addr or "").encode()
+        relay_url = h.relay.url.encode() if h.relay else b""
+        relay_peer = h.relay.peer_id.raw if h.relay else b""
+        parts = [
+            MAGIC,
+            bytes([len(self.peer_id.raw)]),
+            self.peer_id.raw,
+            bytes.fromhex(h.model_digest),
+            struct.pack(">HB", h.layer, len(h.expert_ranges)),
+            b"".join(struct.pack(">HH", start, stop) for start, stop in h.expert_ranges),
+            bytes([len(quic)]),
+            quic,
+            struct.pack(">H", len(relay_url)),
+            relay_url,
+            bytes([len(relay_peer)]),
+            relay_peer,
+            _TAIL.pack(h.capacity, h.price, self.issued_at, self.expires_at, self.seq),
+        ]
+        return b"".join(parts)
+
+
+def sign(identity: Identity, record: HostRecord) -> bytes:
+    """The value to publish: the record's canonical bytes followed by identity's signature over them."""
+    if record.peer_id != identity.peer_id:
+        raise ValueError(f"record names peer {record.peer_id}, but the signing identity is {identity.peer_id}")
+    body = record.body()
+    return body + identity.sign(SIGNING_CONTEXT + body)
+
+
+def issue(identity: Identity, hosted: HostedSlice, *, now: float, ttl: float, seq: int) -> tuple[HostRecord, bytes]:
+    """Stamp hosted with identity's peer id, [now, now + ttl) and seq; return the record and its signed value."""
+    issued_at = int(now)
+    record = HostRecord(identity.peer_id, hosted, issued_at, issued_at + max(1, int(ttl)), seq)
+    return record, sign(identity, record)
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> bytes:
+        end = self.pos + n
+        if end > len(self.data):
+            raise MalformedRecord(f"record truncated in {what} (needs {end} bytes, has {len(self.data)})")
+        chunk = self.data[self.pos : end]
+        self.pos = end
+        return chunk
+
+    def u8(self, what: str) -> int:
+        return self.take(1, what)[0]
+
+    def u16(self, what: str) -> int:
+        return int.from_bytes(self.take(2, what), "big")
+
+    def text(self, n: int, what: str) -> str:
+        try:
+            return self.take(n, what).decode("ascii")
+        except UnicodeDecodeError:
+            raise MalformedRecord(f"{what} is not ASCII") from None
+
+    def peer_id(self, n: int, what: str) -> PeerId:
+        peer = PeerId(self.take(n, what))
+        try:
+            canonical = PeerId.from_public_bytes(peer.public_bytes)
+        except IdentityError as exc:
+            raise MalformedRecord(f"{what}: {exc}") from None
+        if canonical != peer:
+            raise MalformedRecord(f"{what} is not an Ed25519 libp2p peer id")
+        return peer
+
+
+def decode(value: bytes) -> tuple[HostRecord, bytes]:
+    """Parse a value into its record and signature, checking structure and field ranges only."""
+    if len(value) > MAX_RECORD_BYTES:
+        raise RecordTooLarge(f"record has {len(value)} bytes, the limit is {MAX_RECORD_BYTES}")
+    r = _Reader(bytes(value))
+    if r.take(len(MAGIC), "magic") != MAGIC:
+        raise MalformedRecord(f"record does not start with {MAGIC!r} (not a moeswarm host record v1)")
+    peer_id = r.peer_id(r.u8("peer id length"), "peer id")
+    digest = r.take(32, "model digest").hex()
+    layer = r.u16("layer")
+    ranges = tuple((r.u16("range start"), r.u16("range stop")) for _ in range(r.u8("range count")))
+    quic = r.text(r.u8("quic address length"), "quic address") or None
+    relay_url = r.text(r.u16("relay url length"), "relay url")
+    relay_peer_len = r.u8("relay peer id length")
+    if bool(relay_url) != bool(relay_peer_len):
+        raise MalformedRecord("relay url and relay peer id must be both present or both absent")
+    relay = RelayAddress(relay_url, r.peer_id(relay_peer_len, "relay peer id")) if relay_url else None
+    capacity, price, issued_at, expires_at, seq = _TAIL.unpack(r.take(_TAIL.size, "fixed fields"))
+    signature = r.take(SIGNATURE_BYTES, "signature")
+    if r.pos != len(r.data):
+        raise MalformedRecord(f"{len(r.data) - r.pos} trailing bytes after the signature")
+    hosted = HostedSlice(digest, layer, ranges, quic, relay, capacity, price)
+    return HostRecord(peer_id, hosted, issued_at, expires_at, seq), signature
+
+
+def decode_and_validate(key: str, value: bytes, now: float) -> HostRecord:
+    """The record stored under key, if value is acceptable there at time now; else a RecordError.
+
+    Checks, in order: size (before parsing), structure, signature, key (namespace, peer, slot), time.
+    A tombstone is a valid record: callers drop it from results but let it replace older records.
+    """
+    if len(value) > MAX_RECORD_BYTES:
+        raise RecordTooLarge(f"record has {len(value)} bytes, the limit is {MAX_RECORD_BYTES}")
+    if not key.startswith(f"/{NAMESPACE}/"):
+        raise KeyMismatch(f"key {key[:80]!r} is outside the /{NAMESPACE}/ namespace")
+    record, signature = decode(value)
+    if not record.peer_id.verify(SIGNING_CONTEXT + value[:-SIGNATURE_BYTES], signature):
+        raise BadSignature(f"signature does not verify for peer {record.peer_id}")
+    if key != record.key:
+        raise KeyMismatch(
+            f"key {key[:120]!r} does not match the record of peer {record.peer_id} for "
+            f"model {record.hosted.model_digest[:12]}.. layer {record.hosted.layer} (expected {record.key!r})"
+        )
+    if now >= record.expires_at:
+        raise RecordExpired(f"record of peer {record.peer_id} expired {now - record.expires_at:.0f}s ago")
+    if record.issued_at > now + MAX_CLOCK_SKEW:
+        raise RecordNotYetValid(
+            f"record of peer {record.peer_id} is issued {record.issued_at - now:.0f}s in the future "
+            f"(more than the {MAX_CLOCK_SKEW}s clock skew we allow)"
+        )
+    return record
+
+
+def select_best(key: str, values: Sequence[bytes], now: float) -> int:
+    """Index of the value that should win for key: a valid one with the highest (seq, expires_at).
+
+    Invalid values lose to any valid one; ties keep the earliest index (so a store keeps what it has).
+    """
+    best, best_rank = 0, None
+    for index, value in enumerate(values):
+        try:
+            record = decode_and_validate(key, value, now)
+        except RecordError:
+            continue
+        rank = (record.seq, record.expires_at)
+        if best_rank is None or rank > best_rank:
+            best, best_rank = index, rank
+    return best
