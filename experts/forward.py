@@ -1,5 +1,9 @@
 """The dense part of a MoE transformer in numpy, with the MoE step as a pluggable hook.
 
+Every matmul is batch invariant (see :mod:`experts.moe`): a token's logits are the same
+bits whether it is decoded alone, verified in a speculative draft or batched with other
+sequences, which is what makes those optimisations exactly output-preserving.
+
 Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts): the per-arch
 differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
 thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> routed_sum``
@@ -17,9 +21,14 @@ import numpy as np
 
 from .arch import RopeStyle, SharedExpert
 from .gguf_model import GGUFModel
-from .moe import route, silu, softmax
+from .moe import expert_ffn, route, softmax, tiled_matmul
 
 MoeFfn = Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T, batch invariant (fixed row tiles): a token's bits never depend on its batch-mates."""
+    return tiled_matmul(x, w.T)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -119,7 +128,7 @@ class Backbone:
     def attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
         cfg, L = self.cfg, self.layers[i]
         n, hd = h.shape[0], cfg.head_dim
-        q, k, v = h @ L.wq.T, h @ L.wk.T, h @ L.wv.T
+        q, k, v = mm(h, L.wq), mm(h, L.wk), mm(h, L.wv)
         if L.bq is not None:
             q, k, v = q + L.bq, k + L.bk, v + L.bv
         q = q.reshape(n, cfg.n_head, hd)
@@ -135,19 +144,21 @@ class Backbone:
         else:
             cache.k[i] = np.concatenate([cache.k[i], k])
             cache.v[i] = np.concatenate([cache.v[i], v])
-        K, V = cache.k[i], cache.v[i]  # (t, kv_heads, hd)
         rep = cfg.n_head // cfg.n_head_kv
-        K = np.repeat(K, rep, axis=1).transpose(1, 2, 0)  # (heads, hd, t)
-        V = np.repeat(V, rep, axis=1).transpose(1, 0, 2)  # (heads, t, hd)
-        scores = np.matmul(q.transpose(1, 0, 2), K) * np.float32(1.0 / np.sqrt(hd))  # (heads, n, t)
-        t = K.shape[-1]
-        mask = np.arange(t)[None, :] > pos[:, None]
-        scores = np.where(mask[None], -np.inf, scores)
-        out = np.matmul(softmax(scores), V).transpose(1, 0, 2).reshape(n, cfg.q_dim)
-        return out @ L.wo.T
+        scale = np.float32(1.0 / np.sqrt(hd))
+        out = np.empty((n, cfg.n_head, hd), dtype=np.float32)
+        # One query row at a time over exactly its causal keys 0..pos: the same shapes (and so the same
+        # bits) whether the row is decoded alone, verified inside a speculative draft, or batched.
+        for r in range(n):
+            t = int(pos[r]) + 1
+            K = np.ascontiguousarray(np.repeat(cache.k[i][:t], rep, axis=1).transpose(1, 2, 0))  # (heads, hd, t)
+            V = np.ascontiguousarray(np.repeat(cache.v[i][:t], rep, axis=1).transpose(1, 0, 2))  # (heads, t, hd)
+            scores = np.matmul(q[r][:, None, :], K) * scale  # (heads, 1, t)
+            out[r] = np.matmul(softmax(scores), V)[:, 0, :]
+        return mm(out.reshape(n, cfg.q_dim), L.wo)
 
     def router(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return route(x @ self.layers[i].router.T, self.cfg.n_expert_used, self.spec.norm_topk)
+        return route(mm(x, self.layers[i].router), self.cfg.n_expert_used, self.spec.norm_topk)
 
     def shared_expert(self, i: int, x: np.ndarray) -> np.ndarray | None:
         """The always-on expert; independent of the routed sum, so it can run during a dispatch."""
@@ -155,9 +166,10 @@ class Backbone:
         if sh is None:
             return None
         gate_inp, gate, up, down = sh
-        y = (silu(x @ gate.T) * (x @ up.T)) @ down.T
-        g = x @ gate_inp
-        return y * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))[:, None]
+        y = expert_ffn(x, gate, up, down)
+        g = mm(x, gate_inp[None, :])[:, 0]
+        with np.errstate(over="ignore"):
+            return y * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))[:, None]
 
     def forward(self, tokens: np.ndarray | list[int], cache: KVCache, moe_ffn: MoeFfn) -> np.ndarray:
         """Run *tokens* (appended after the cache) through the model; logits (n, vocab) for each."""
@@ -178,4 +190,4 @@ class Backbone:
             if sh is not None:
                 out = out + sh
             x = x + out
-        return rms_norm(x, self.output_norm, self.cfg.rms_eps) @ self.output.T
+        return mm(rms_norm(x, self.output_norm, self.cfg.rms_eps), self.output)
