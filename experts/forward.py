@@ -15,6 +15,7 @@ and the shared expert stay here, next to the hidden state they read.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +24,9 @@ from .arch import RopeStyle, SharedExpert
 from .gguf_model import GGUFModel
 from .moe import expert_ffn, route, softmax, tiled_matmul
 
-MoeFfn = Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+# The hook returns the routed sum, or a Future of it: the forward then computes the shared
+# expert (an independent additive term) while the remote round trip is in flight.
+MoeFfn = Callable[[int, np.ndarray, np.ndarray, np.ndarray], "np.ndarray | Future[np.ndarray]"]
 
 
 def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -185,8 +188,9 @@ class Backbone:
             x = x + self.attention(i, h, pos, cache)
             h = rms_norm(x, L.ffn_norm, self.cfg.rms_eps)
             ids, w = self.router(i, h)
-            out = moe_ffn(i, h, ids, w)
-            sh = self.shared_expert(i, h)
+            routed = moe_ffn(i, h, ids, w)
+            sh = self.shared_expert(i, h)  # runs while a remote dispatch is in flight
+            out = routed.result() if isinstance(routed, Future) else routed
             if sh is not None:
                 out = out + sh
             x = x + out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,11 +118,14 @@ class RemoteMoE:
         for layer in layers:
             self.router.update(layer, await self.discovery.lookup(self.model_digest, layer))
 
-    def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """The synchronous ``moe_ffn`` for :class:`experts.forward.Backbone` (called off the loop thread)."""
+    def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> Future:
+        """The ``moe_ffn`` for :class:`experts.forward.Backbone`, called off the loop thread.
+
+        Returns a Future at once, so the forward computes the shared expert during the round trip.
+        """
         assert self.loop is not None, "RemoteMoE.loop must be set to the loop that owns the endpoint"
         self.stats.tokens_forwarded += x.shape[0]
-        return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w), self.loop).result()
+        return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w), self.loop)
 
     async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         if layer not in self.router.routes:

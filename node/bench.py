@@ -110,8 +110,10 @@ def message_bytes(d: int, k: int, n_tokens: int = 1) -> dict:
 @click.option("--tokens", "n_tokens", default=16, show_default=True, help="Decode steps timed per path.")
 @click.option("--qtype", default="Q4_K", show_default=True)
 @click.option("--layers", "n_layer", default=1, show_default=True)
+@click.option("--max-datagram", default=16384, show_default=True, help="QUIC datagram size on both ends (loopback takes 16384).")
+@click.option("--rounds", default=3, show_default=True, help="Alternating local/remote rounds; medians are reported.")
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
-def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, write_md: str | None) -> None:
+def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, max_datagram: int, rounds: int, write_md: str | None) -> None:
     """Loopback decode throughput, remote (1 worker process over QUIC) vs all-local, and exact message bytes."""
     import asyncio
 
@@ -140,27 +142,34 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, write
             toks = [tok for tok, _ in generate(bb, prompt, n_tokens, hook)]
             return toks, len(toks) / (time.perf_counter() - t)
 
-        local_toks, local_tps = decode(local_hook)
         with Cluster(Path(tmp) / "nodes") as cluster:
             boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
-            cluster.start("worker", "worker", "--model", str(path), "--bootstrap", boot).wait_ready(600)
+            cluster.start("worker", "worker", "--model", str(path), "--bootstrap", boot, "--max-datagram", str(max_datagram)).wait_ready(600)
 
-            async def remote():
-                async with backbone_session(Identity.generate(), model, [boot]) as moe:
+            async def interleaved():
+                """Local and remote rounds alternate, so drifting machine load hits both alike."""
+                async with backbone_session(Identity.generate(), model, [boot], max_datagram=max_datagram) as moe:
                     await wait_for_hosts(moe, model.layers, 1, 60)
-                    await asyncio.to_thread(decode, moe.hook)  # warm-up: connection, RTT estimates
+                    await asyncio.to_thread(decode, moe.hook)  # warm-up: connection, RTT estimates, caches
                     moe.stats.records.clear()
-                    toks, tps = await asyncio.to_thread(decode, moe.hook)
-                    return toks, tps, moe.stats.summary()
+                    moe.stats.tokens_forwarded = 0
+                    local, remote = [], []
+                    for _ in range(rounds):
+                        local.append(await asyncio.to_thread(decode, local_hook))
+                        remote.append(await asyncio.to_thread(decode, moe.hook))
+                    return local, remote, moe.stats.summary()
 
-            remote_toks, remote_tps, stats = asyncio.run(remote())
+            local, remote, stats = asyncio.run(interleaved())
+        local_tps = float(np.median([tps for _, tps in local]))
+        remote_tps = float(np.median([tps for _, tps in remote]))
+        local_toks, remote_toks = local[0][0], remote[0][0]
     result = {
-        "config": {**REFERENCE, "n_layer": n_layer, "qtype": qtype},
+        "config": {**REFERENCE, "n_layer": n_layer, "qtype": qtype, "max_datagram": max_datagram},
         "machine": f"{platform.machine()}, numpy {np.__version__}, OPENBLAS_NUM_THREADS=1",
         "bytes_per_token_per_layer": message_bytes(cfg.n_embd, cfg.n_expert_used),
         "measured_f32_bytes_per_token_per_layer": stats["bytes_per_token_per_layer"],
         "throughput": {"local_tokens_s": round(local_tps, 3), "remote_tokens_s": round(remote_tps, 3), "ratio": round(remote_tps / local_tps, 3)},
-        "identical": remote_toks == local_toks,
+        "identical": remote_toks == local_toks and all(t == local_toks for t, _ in local + remote),
         "rtt_ms": stats["rtt_ms"],
     }
     if write_md:

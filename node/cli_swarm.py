@@ -49,10 +49,11 @@ def bootstrap_cmd(listen: str, bootstrap: tuple[str, ...], data_dir: str | None,
 @bootstrap_opt
 @click.option("--memory-budget", default=None, help="RAM for dequantized experts (e.g. 512M); above it, dequantize on the fly.")
 @click.option("--price", default=0, show_default=True, help="Price per work unit, announced in the DHT record.")
+@click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
 @click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative).")
 @data_dir_opt
 @ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, capacity, data_dir, ready_file) -> None:
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, data_dir, ready_file) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
@@ -71,6 +72,7 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         capacity=capacity,
         advertise=advertise,
         model_digest=model_digest,
+        max_datagram=max_datagram,
     )
     ident = load_identity(node_dir(data_dir, "worker"))
     asyncio.run(run_worker(ident, opts, ready_file))

@@ -43,6 +43,7 @@ class WorkerOptions:
     capacity: int = 0
     advertise: str | None = None  # host:port others should dial (default: the bound address)
     model_digest: str | None = None  # for a slice: the model it must belong to
+    max_datagram: int = 1200  # QUIC datagram size this end sends (1200 is safe on any path; loopback takes 16384)
 
 
 async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None) -> None:
@@ -53,7 +54,7 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
     store = ExpertStore(model, opts.layers, opts.experts, memory_budget=opts.memory_budget)
     await asyncio.to_thread(store.warm)  # announce only once dispatches are served at full speed
     worker = Worker(identity, store, price=opts.price)
-    endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle)
+    endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram)
     addr = opts.advertise or f"{opts.listen[0]}:{endpoint.local_addr[1]}"
     slices = [
         HostedSlice(model.digest, layer, ((store.experts.start, store.experts.stop),), quic_addr=addr, capacity=opts.capacity, price=opts.price)
@@ -85,9 +86,9 @@ async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequenc
 
 
 @asynccontextmanager
-async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, memory_budget: int | None = None):
+async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, memory_budget: int | None = None, max_datagram: int = 1200):
     """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, local fallback experts."""
-    endpoint = await Endpoint.bind(identity, "127.0.0.1" if dht_listen.startswith("127.") else "0.0.0.0", 0, handler=None)
+    endpoint = await Endpoint.bind(identity, "127.0.0.1" if dht_listen.startswith("127.") else "0.0.0.0", 0, handler=None, max_datagram_size=max_datagram)
     dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
     try:
         await dht.start()
