@@ -34,12 +34,24 @@ from p2p.quic import Endpoint, TransportError
 
 from .receipts import Receipt, ReceiptError, ReceiptStamp, digest, verify, work_units
 from .routing import Host, Router
+from .spotcheck import SpotChecker, compare
 
 log = structlog.get_logger("node.backbone")
 
 
 class DispatchFailed(Exception):
     """A host could not answer a group; the caller moves on to the next candidate."""
+
+
+@dataclass(frozen=True)
+class Dispute:
+    """A receipt whose result failed a spot check: unpaid, with the evidence."""
+
+    receipt: Receipt
+    max_abs_diff: float
+    min_cosine: float
+    caught: bool = True  # False: an earlier, unchecked receipt of a worker caught later (suspect, so unpaid too)
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -52,6 +64,7 @@ class DispatchRecord:
     bytes_back: int
     latency_ms: float
     ok: bool
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -98,6 +111,9 @@ class RemoteMoE:
         *,
         codec: Codec = Codec.F32,
         timeout: float = 5.0,
+        spot_check: float = 0.0,
+        spot_seed: int | None = None,
+        on_receipt=None,
     ) -> None:
         require_verified(model_digest, codec)
         self.endpoint = endpoint
@@ -111,6 +127,9 @@ class RemoteMoE:
         self.router = Router(n_expert)
         self.stats = DispatchStats()
         self.receipts: list[Receipt] = []
+        self.disputes: list[Dispute] = []
+        self.checker = SpotChecker(spot_check, spot_seed)
+        self.on_receipt = on_receipt  # called with (receipt, stamp, dispute-or-None), e.g. to append to the ledger
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def refresh(self, layers: range) -> None:
@@ -195,7 +214,7 @@ class RemoteMoE:
                 raise DispatchFailed(f"bad partial sums: {exc}") from None
             if not np.isfinite(sums).all():
                 raise DispatchFailed("partial sums are not finite")
-            self._accept_receipt(host, req, data, msg, raw)
+            receipt, stamp = self._check_receipt(host, req, data, msg, raw)
             ok = True
         finally:
             latency = (time.perf_counter() - t0) * 1e3
@@ -203,9 +222,37 @@ class RemoteMoE:
             log.info("dispatch.done", peer=str(host.peer_id), path="direct", layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
         compute_ms = msg.compute_us / 1e3
         self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0))
+        if self.checker.should_check():
+            want = await self._spot_check(host, layer, x, ids, w, held, sums, receipt, stamp)
+            if want is not None:
+                return want
+        self.receipts.append(receipt)
+        if self.on_receipt:
+            self.on_receipt(receipt, stamp, None)
         return sums
 
-    def _accept_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, raw: bytes) -> None:
+    async def _spot_check(self, host: Host, layer: int, x, ids, w, held, sums, receipt: Receipt, stamp: ReceiptStamp) -> np.ndarray | None:
+        """Re-compute this dispatch locally; on a mismatch dispute the receipt, ban the host, return the right answer."""
+        loop = asyncio.get_running_loop()
+        self.checker.checked += 1
+        want, _ = await loop.run_in_executor(None, partial_sum, self.fallback, layer, codecs.roundtrip(self.codec, x), ids, w, held)
+        want = codecs.roundtrip(self.codec, want)
+        result = compare(self.codec, sums, want)
+        if result.ok:
+            return None
+        self.checker.caught += 1
+        ban = self.checker.ban_for(str(host.peer_id))
+        self.router.ban(host.peer_id, time.monotonic(), ban)
+        dispute = Dispute(receipt, result.max_abs_diff, result.min_cosine)
+        earlier = [r for r in self.receipts if r.worker == receipt.worker]
+        self.receipts = [r for r in self.receipts if r.worker != receipt.worker]
+        self.disputes += [dispute] + [Dispute(r, float("nan"), float("nan"), caught=False) for r in earlier]
+        if self.on_receipt:
+            self.on_receipt(receipt, stamp, dispute)
+        log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=receipt.dispatch_id, layer=layer, max_abs_diff=result.max_abs_diff, min_cosine=result.min_cosine, banned_s=ban)
+        return want
+
+    def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, raw: bytes) -> tuple[Receipt, ReceiptStamp]:
         ids = np.asarray(req.expert_ids)
         held = ids >= 0
         try:
@@ -231,4 +278,4 @@ class RemoteMoE:
             verify(receipt, stamp)
         except ReceiptError as exc:
             raise DispatchFailed(f"receipt rejected: {exc}") from None
-        self.receipts.append(receipt)
+        return receipt, stamp

@@ -28,6 +28,7 @@ class NodeProcess:
     workdir: Path
     env: dict[str, str] | None = None
     prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS] in the testbed
+    module: str = "node"  # `python -m MODULE`: tests swap in doubles (e.g. a malicious worker)
     proc: subprocess.Popen | None = None
 
     @property
@@ -40,7 +41,7 @@ class NodeProcess:
 
     def start(self) -> NodeProcess:
         self.ready_file.unlink(missing_ok=True)
-        cmd = [*self.prefix, sys.executable, "-m", "node", "--log-level", "info", *self.args, "--data-dir", str(self.workdir / self.name), "--ready-file", str(self.ready_file)]
+        cmd = [*self.prefix, sys.executable, "-m", self.module, "--log-level", "info", *self.args, "--data-dir", str(self.workdir / self.name), "--ready-file", str(self.ready_file)]
         env = {**os.environ, **(self.env or {})}
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)

@@ -26,6 +26,7 @@ class HostHealth:
     inflight: int = 0
     failures: int = 0
     benched_until: float = 0.0
+    banned_until: float = 0.0  # caught returning wrong answers: no work at all until then
     dispatches: int = 0
 
     def score(self) -> float:
@@ -76,7 +77,7 @@ class Router:
 
     def candidates(self, layer: int, group: int, now: float) -> list[Host]:
         """Hosts to try for a group, best first; benched hosts only when nothing else is left."""
-        hosts = self.routes[layer].hosts[group]
+        hosts = [h for h in self.routes[layer].hosts[group] if self.health[h.peer_id].banned_until <= now]
         ready = [h for h in hosts if self.health[h.peer_id].benched_until <= now]
         benched = [h for h in hosts if h not in ready]
         key = lambda h: (self.health[h.peer_id].score(), h.price, h.peer_id)  # noqa: E731
@@ -92,6 +93,11 @@ class Router:
         h.benched_until = 0.0
         h.dispatches += 1
         h.rtt_ms = rtt_ms if h.rtt_ms is None else (1 - EWMA) * h.rtt_ms + EWMA * rtt_ms
+
+    def ban(self, peer: PeerId, now: float, seconds: float) -> None:
+        """Give *peer* no work for *seconds* (a spot check caught it)."""
+        h = self.health[peer]
+        h.banned_until = max(h.banned_until, now + seconds)
 
     def failed(self, peer: PeerId, now: float) -> float:
         """Bench the host; returns for how long (doubling per consecutive failure)."""

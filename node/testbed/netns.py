@@ -213,6 +213,8 @@ class Testbed:
     (``moeswarm testbed up``); otherwise removal also runs at interpreter exit.
     """
 
+    __test__ = False  # not a pytest test class despite the name
+
     def __init__(self, rtt_ms: float = 0.0, loss_pct: float = 0.0, name: str | None = None, routers: tuple[Nat | str, ...] = (Nat.CONE, Nat.SYMMETRIC), keep: bool = False):
         if rtt_ms < 0 or not 0 <= loss_pct < 100:
             raise TestbedError(f"need rtt_ms >= 0 and 0 <= loss_pct < 100, got {rtt_ms} and {loss_pct}")

@@ -1,0 +1,79 @@
+"""`moeswarm testbed up|run|down`: the real-NAT namespace testbed from the command line (root only)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import click
+
+from .cli import emit_json, main
+from .testbed import Testbed, TestbedError, down_stale, list_netns, require_root, teardown
+from .testbed.netns import list_states, state_file
+from .testbed.topology import Nat, normalize_prefix
+
+
+def _only_testbed(name: str | None) -> str:
+    """The prefix named, or the one testbed that `up` left running."""
+    if name:
+        return normalize_prefix(name)
+    names = list_states()
+    if len(names) != 1:
+        raise TestbedError(f"{'no testbed is up' if not names else 'several testbeds are up: ' + ', '.join(names)}; pass --name")
+    return names[0]
+
+
+@main.group("testbed")
+def testbed_group() -> None:
+    """Network namespaces with real NAT and WAN latency, for trying the swarm across routers (needs root)."""
+
+
+@testbed_group.command("up")
+@click.option("--rtt-ms", default=80.0, show_default=True, type=click.FloatRange(min=0), help="Round trip added across the WAN.")
+@click.option("--loss", default=0.0, show_default=True, type=click.FloatRange(0, 100, max_open=True), help="Percent of packets dropped per direction.")
+@click.option("--name", default=None, help="Testbed name (namespaces are msw<NAME>-<role>); random if omitted.")
+@click.option("--routers", default="cone,symmetric", show_default=True, help="NAT kind of each home router, comma-separated (cone|symmetric).")
+def up_cmd(rtt_ms: float, loss: float, name: str | None, routers: str) -> None:
+    """Build a testbed and leave it running; prints its namespaces and addresses as JSON."""
+    require_root()
+    kinds = tuple(r.strip() for r in routers.split(","))
+    bad = [k for k in kinds if k not in tuple(Nat)]
+    if bad:
+        raise TestbedError(f"unknown NAT kind {bad[0]!r}: use cone or symmetric")
+    tb = Testbed(rtt_ms=rtt_ms, loss_pct=loss, name=name, routers=kinds, keep=True).up()
+    emit_json(tb.describe())
+
+
+@testbed_group.command("run", context_settings={"ignore_unknown_options": True})
+@click.option("--in", "where", required=True, help="Role (e.g. worker-a) or namespace name to run in.")
+@click.option("--name", default=None, help="Which testbed (default: the only one up).")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+def run_cmd(where: str, name: str | None, cmd: tuple[str, ...]) -> None:
+    """Run CMD inside one of the testbed's namespaces: `moeswarm testbed run --in worker-a -- ip addr`."""
+    require_root()
+    tb = Testbed.attach(_only_testbed(name))
+    role = tb.plan.role_of(where)
+    try:
+        code = subprocess.run([*tb.exec_prefix(role), *cmd]).returncode
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+@testbed_group.command("down")
+@click.option("--name", default=None, help="Which testbed (default: the only one up).")
+@click.option("--all-stale", is_flag=True, help="Remove every testbed whose owning process is gone, including those left by `up`.")
+def down_cmd(name: str | None, all_stale: bool) -> None:
+    """Remove a testbed: its processes, namespaces (and with them every veth) and state."""
+    require_root()
+    if all_stale:
+        emit_json({"removed": down_stale()})
+        return
+    prefix = _only_testbed(name)
+    if not state_file(prefix).exists() and not any(n.startswith(prefix) for n in list_netns()):
+        raise TestbedError(f"no testbed named {prefix} is up")
+    teardown(prefix)
+    emit_json({"removed": [prefix]})
+
+
+__all__ = ["main", "testbed_group"]
