@@ -16,6 +16,7 @@ QUIC endpoint and waits for the combined answer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from concurrent.futures import Future
@@ -214,7 +215,7 @@ class RemoteMoE:
                 raise DispatchFailed(f"bad partial sums: {exc}") from None
             if not np.isfinite(sums).all():
                 raise DispatchFailed("partial sums are not finite")
-            receipt, stamp = self._check_receipt(host, req, data, msg, raw)
+            receipt, stamp = await self._check_receipt(host, req, data, msg, raw)
             ok = True
         finally:
             latency = (time.perf_counter() - t0) * 1e3
@@ -252,30 +253,51 @@ class RemoteMoE:
         log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=receipt.dispatch_id, layer=layer, max_abs_diff=result.max_abs_diff, min_cosine=result.min_cosine, banned_s=ban)
         return want
 
-    def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, raw: bytes) -> tuple[Receipt, ReceiptStamp]:
+    async def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, raw: bytes) -> tuple[Receipt, ReceiptStamp]:
+        """Rebuild the receipt the worker signed and check its signature.
+
+        The price comes from the worker's DHT record; a worker that re-priced since our cached
+        lookup signs its new price, so on a mismatch the record is fetched again once.
+        """
         ids = np.asarray(req.expert_ids)
         held = ids >= 0
         try:
             stamp = ReceiptStamp.decode(msg.receipt)
-            receipt = Receipt(
-                dispatch_id=req.dispatch_id.hex(),
-                backbone=str(self.endpoint.peer_id),
-                worker=str(host.peer_id),
-                model_digest=self.model_digest,
-                layer=req.layer,
-                expert_ids=tuple(int(e) for e in np.unique(ids[held])),
-                n_tokens=req.n_tokens,
-                work_units=work_units(int(held.sum()), self.n_embd, self.n_ff_exp),
-                bytes_in=len(data),
-                bytes_out=len(raw),
-                codec=self.codec.name.lower(),
-                path="direct",
-                issued_at_us=stamp.issued_at_us,
-                price=host.price,
-                request_digest=digest(data),
-                result_digest=digest(msg.partial),
-            )
-            verify(receipt, stamp)
         except ReceiptError as exc:
             raise DispatchFailed(f"receipt rejected: {exc}") from None
-        return receipt, stamp
+        receipt = Receipt(
+            dispatch_id=req.dispatch_id.hex(),
+            backbone=str(self.endpoint.peer_id),
+            worker=str(host.peer_id),
+            model_digest=self.model_digest,
+            layer=req.layer,
+            expert_ids=tuple(int(e) for e in np.unique(ids[held])),
+            n_tokens=req.n_tokens,
+            work_units=work_units(int(held.sum()), self.n_embd, self.n_ff_exp),
+            bytes_in=len(data),
+            bytes_out=len(raw),
+            codec=self.codec.name.lower(),
+            path="direct",
+            issued_at_us=stamp.issued_at_us,
+            price=host.price,
+            request_digest=digest(data),
+            result_digest=digest(msg.partial),
+        )
+        try:
+            verify(receipt, stamp)
+            return receipt, stamp
+        except ReceiptError as exc:
+            first_error = exc
+        invalidate = getattr(self.discovery, "invalidate", None)
+        if invalidate:
+            invalidate(self.model_digest, req.layer)
+        fresh = [r for r in await self.discovery.lookup(self.model_digest, req.layer) if r.peer_id == host.peer_id]
+        if fresh and fresh[0].hosted.price != host.price:
+            self.router.update(req.layer, await self.discovery.lookup(self.model_digest, req.layer))
+            repriced = dataclasses.replace(receipt, price=fresh[0].hosted.price)
+            try:
+                verify(repriced, stamp)
+                return repriced, stamp
+            except ReceiptError:
+                pass
+        raise DispatchFailed(f"receipt rejected: {first_error}")

@@ -18,6 +18,17 @@ from p2p.records import HostRecord
 DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones
 EWMA = 0.2
 BACKOFF_S = (1.0, 60.0)
+SIMILAR_RTT = 1.25  # replicas whose expected waits differ by less than this factor compete on price
+
+
+def scarcity_price(base: int, live_replicas: int) -> int:
+    """A worker's announced price per work unit: its base price, raised when few others host the same slice.
+
+    price = base * (1 + 1/n) rounded up, n = live hosts of the slice including this one: a sole host
+    asks double, one of two asks 1.5x, and the premium fades as replicas join.
+    """
+    n = max(live_replicas, 1)
+    return -(-base * (n + 1) // n)
 
 
 @dataclass
@@ -63,11 +74,14 @@ class Router:
     """Per-layer partitions and candidates, and per-host health, fed by lookups and dispatch results."""
 
     n_expert: int
+    max_price: int | None = None  # hosts asking more per work unit are never used
     routes: dict[int, LayerRoute] = field(default_factory=dict)
     health: dict[PeerId, HostHealth] = field(default_factory=dict)
 
     def update(self, layer: int, records: list[HostRecord]) -> LayerRoute:
         hosts = [h for h in (Host.from_record(r) for r in records) if h is not None]
+        if self.max_price is not None:
+            hosts = [h for h in hosts if h.price <= self.max_price]
         part = Partition.covering([rg for h in hosts for rg in h.ranges], self.n_expert)
         route = LayerRoute(part, [[h for h in hosts if h.covers(a, b)] for a, b in part.bounds])
         self.routes[layer] = route
@@ -80,7 +94,12 @@ class Router:
         hosts = [h for h in self.routes[layer].hosts[group] if self.health[h.peer_id].banned_until <= now]
         ready = [h for h in hosts if self.health[h.peer_id].benched_until <= now]
         benched = [h for h in hosts if h not in ready]
-        key = lambda h: (self.health[h.peer_id].score(), h.price, h.peer_id)  # noqa: E731
+        best = min((self.health[h.peer_id].score() for h in hosts), default=1.0)
+
+        def key(h: Host) -> tuple:
+            score = self.health[h.peer_id].score()
+            return (score > best * SIMILAR_RTT, h.price, score, h.peer_id)
+
         return sorted(ready, key=key) + sorted(benched, key=key)
 
     def started(self, peer: PeerId) -> None:

@@ -24,6 +24,7 @@ from p2p.quic import Endpoint
 from p2p.records import HostedSlice
 
 from .backbone import RemoteMoE
+from .routing import scarcity_price
 from .runtime import until_stopped, write_ready
 from .worker import Worker
 
@@ -44,6 +45,7 @@ class WorkerOptions:
     advertise: str | None = None  # host:port others should dial (default: the bound address)
     model_digest: str | None = None  # for a slice: the model it must belong to
     max_datagram: int = 1200  # QUIC datagram size this end sends (1200 is safe on any path; loopback takes 16384)
+    reprice_s: float = 60.0
 
 
 async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None) -> None:
@@ -56,18 +58,43 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
     worker = Worker(identity, store, price=opts.price)
     endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram)
     addr = opts.advertise or f"{opts.listen[0]}:{endpoint.local_addr[1]}"
-    slices = [
-        HostedSlice(model.digest, layer, ((store.experts.start, store.experts.stop),), quic_addr=addr, capacity=opts.capacity, price=opts.price)
-        for layer in store.layers
-    ]
+    ranges = ((store.experts.start, store.experts.stop),)
+
+    def slices(price: int) -> list[HostedSlice]:
+        return [HostedSlice(model.digest, layer, ranges, quic_addr=addr, capacity=opts.capacity, price=price) for layer in store.layers]
+
+    async def replicas() -> int:
+        """Live hosts (this one included) of our slice's scarcest layer."""
+        counts = []
+        for layer in store.layers:
+            hosts = await dht.lookup(model.digest, layer)
+            counts.append(1 + sum(1 for r in hosts if r.peer_id != identity.peer_id and r.hosted.expert_ranges == ranges))
+        return min(counts)
+
+    async def reprice() -> None:
+        """Re-announce when the scarcity price changes (README: pricing)."""
+        while True:
+            await asyncio.sleep(opts.reprice_s)
+            price = scarcity_price(opts.price, await replicas())
+            if price != worker.price:
+                worker.price = price
+                await dht.announce(slices(price))
+                log.info("worker.repriced", price=price)
+
     dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap)
+    repricing = None
     try:
         await dht.start()
-        await dht.announce(slices)
+        worker.price = scarcity_price(opts.price, await replicas()) if opts.price else 0
+        await dht.announce(slices(worker.price))
+        if opts.price:
+            repricing = asyncio.create_task(reprice())
         log.info("worker.ready", peer=str(identity.peer_id), quic=addr, layers=f"{store.layers.start}-{store.layers.stop - 1}", experts=str(store.experts), mode=store.plan.mode)
-        write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "dht_addrs": dht.multiaddrs, "load": store.plan.mode})
+        write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "dht_addrs": dht.multiaddrs, "load": store.plan.mode, "price": worker.price})
         await until_stopped()
     finally:
+        if repricing:
+            repricing.cancel()
         try:
             await asyncio.wait_for(dht.withdraw(), 10)
             log.info("worker.withdrawn", peer=str(identity.peer_id))

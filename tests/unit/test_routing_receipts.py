@@ -75,3 +75,29 @@ def test_receipt_signature_covers_every_field():
         sign(backbone, r)
     with pytest.raises(ReceiptError, match="72 bytes"):
         ReceiptStamp.decode(b"\0" * 71)
+
+
+def test_price_decides_among_similar_rtt_and_max_price_filters():
+    """Within 25% of the best expected wait the cheaper host wins; a much faster host beats a cheaper slow one."""
+    fast_pricey, similar_cheap, slow_cheapest = Identity.generate(), Identity.generate(), Identity.generate()
+    recs = []
+    for ident, port, price in ((fast_pricey, 1, 9), (similar_cheap, 2, 3), (slow_cheapest, 3, 1)):
+        r = record(ident, [(0, 8)], port)
+        recs.append(HostRecord(r.peer_id, dataclasses.replace(r.hosted, price=price), 1000, 2000, 1))
+    router = Router(n_expert=8)
+    router.update(0, recs)
+    for ident, rtt in ((fast_pricey, 10.0), (similar_cheap, 12.0), (slow_cheapest, 40.0)):
+        router.started(ident.peer_id)
+        router.succeeded(ident.peer_id, rtt)
+    assert [h.peer_id for h in router.candidates(0, 0, 0)] == [similar_cheap.peer_id, fast_pricey.peer_id, slow_cheapest.peer_id]
+    capped = Router(n_expert=8, max_price=5)
+    capped.update(0, recs)
+    assert {h.peer_id for h in capped.candidates(0, 0, 0)} == {similar_cheap.peer_id, slow_cheapest.peer_id}
+
+
+def test_scarcity_price_rule():
+    """A sole host asks double its base; the premium fades as replicas join; never below base."""
+    from node.routing import scarcity_price
+
+    assert [scarcity_price(10, n) for n in (0, 1, 2, 4, 10)] == [20, 20, 15, 13, 11]
+    assert scarcity_price(0, 1) == 0
