@@ -113,14 +113,15 @@ async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequenc
 
 
 @asynccontextmanager
-async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, memory_budget: int | None = None, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, on_receipt=None):
+async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, memory_budget: int | None = None, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, on_receipt=None, max_price: int | None = None):
     """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, local fallback experts."""
-    endpoint = await Endpoint.bind(identity, "127.0.0.1" if dht_listen.startswith("127.") else "0.0.0.0", 0, handler=None, max_datagram_size=max_datagram)
+    endpoint = await Endpoint.bind(identity, listen[0], listen[1], handler=None, max_datagram_size=max_datagram)
     dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
     try:
         await dht.start()
         cfg = model.cfg
         moe = RemoteMoE(endpoint, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model, memory_budget=memory_budget), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, on_receipt=on_receipt)
+        moe.router.max_price = max_price
         moe.loop = asyncio.get_running_loop()
         yield moe
     finally:
