@@ -17,9 +17,16 @@ class Sampling:
     seed: int = 0
 
 
-def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
+def probabilities(logits: np.ndarray, s: Sampling) -> np.ndarray:
+    """The distribution a token is drawn from: softmax at s.temperature over the top-p nucleus (float64).
+
+    Greedy (temperature <= 0) is the point mass on the argmax. Speculative sampling
+    accepts and resamples against exactly this distribution.
+    """
     if s.temperature <= 0:
-        return int(np.argmax(logits))
+        p = np.zeros(logits.shape[-1])
+        p[np.argmax(logits)] = 1.0
+        return p
     z = logits.astype(np.float64) / s.temperature
     p = np.exp(z - z.max())
     p /= p.sum()
@@ -27,7 +34,23 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
     keep = np.cumsum(p[order]) - p[order] < s.top_p
     p_kept = np.zeros_like(p)
     p_kept[order[keep]] = p[order[keep]]
-    return int(rng.choice(p.size, p=p_kept / p_kept.sum()))
+    return p_kept / p_kept.sum()
+
+
+def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
+    if s.temperature <= 0:
+        return int(np.argmax(logits))
+    p = probabilities(logits, s)
+    return int(rng.choice(p.size, p=p))
+
+
+def check_request(backbone: Backbone, prompt: list[int], max_tokens: int) -> None:
+    """Reject a request before any forward pass: empty prompt, or more tokens than the context holds."""
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    limit = backbone.cfg.context_length
+    if len(prompt) + max_tokens > limit:
+        raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the model's context of {limit}")
 
 
 def generate(
@@ -39,18 +62,18 @@ def generate(
     sampling: Sampling = Sampling(),
     stop: set[int] | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """Yield (token, logits it was sampled from) until max_tokens or a stop token."""
-    if not prompt:
-        raise ValueError("the prompt must hold at least one token")
-    limit = backbone.cfg.context_length
-    if len(prompt) + max_tokens > limit:
-        raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the model's context of {limit}")
+    """Yield (token, logits it was sampled from) until max_tokens or a stop token.
+
+    One forward pass per token: the prefill yields the first, each later pass the next
+    (no pass is run for the token after the last one).
+    """
+    check_request(backbone, prompt, max_tokens)
     rng = np.random.default_rng(sampling.seed)
     cache = KVCache()
     logits = backbone.forward(prompt, cache, moe_ffn)[-1]
-    for _ in range(max_tokens):
+    for n in range(1, max_tokens + 1):
         tok = sample(logits, sampling, rng)
         yield tok, logits
-        if stop and tok in stop:
+        if n == max_tokens or (stop and tok in stop):
             return
         logits = backbone.forward([tok], cache, moe_ffn)[-1]
