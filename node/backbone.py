@@ -33,6 +33,7 @@ from p2p import wire
 from p2p.discovery import Discovery
 from p2p.quic import Endpoint, TransportError
 
+from .ledger_sink import LedgerSink
 from .receipts import Receipt, ReceiptError, ReceiptStamp, digest, verify, work_units
 from .routing import Host, Router
 from .spotcheck import SpotChecker, compare
@@ -114,7 +115,7 @@ class RemoteMoE:
         timeout: float = 5.0,
         spot_check: float = 0.0,
         spot_seed: int | None = None,
-        on_receipt=None,
+        ledger: LedgerSink | None = None,
     ) -> None:
         require_verified(model_digest, codec)
         self.endpoint = endpoint
@@ -130,7 +131,7 @@ class RemoteMoE:
         self.receipts: list[Receipt] = []
         self.disputes: list[Dispute] = []
         self.checker = SpotChecker(spot_check, spot_seed)
-        self.on_receipt = on_receipt  # called with (receipt, stamp, dispute-or-None), e.g. to append to the ledger
+        self.ledger = ledger  # every verified receipt, and every dispute, is appended (off the hot path)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def refresh(self, layers: range) -> None:
@@ -228,8 +229,8 @@ class RemoteMoE:
             if want is not None:
                 return want
         self.receipts.append(receipt)
-        if self.on_receipt:
-            self.on_receipt(receipt, stamp, None)
+        if self.ledger:
+            self.ledger.receipt(receipt, stamp)
         return sums
 
     async def _spot_check(self, host: Host, layer: int, x, ids, w, held, sums, receipt: Receipt, stamp: ReceiptStamp) -> np.ndarray | None:
@@ -248,8 +249,11 @@ class RemoteMoE:
         earlier = [r for r in self.receipts if r.worker == receipt.worker]
         self.receipts = [r for r in self.receipts if r.worker != receipt.worker]
         self.disputes += [dispute] + [Dispute(r, float("nan"), float("nan"), caught=False) for r in earlier]
-        if self.on_receipt:
-            self.on_receipt(receipt, stamp, dispute)
+        if self.ledger:
+            self.ledger.receipt(receipt, stamp)
+            self.ledger.dispute(receipt, f"spot check: max|diff| {result.max_abs_diff:.3g}, min cosine {result.min_cosine:.6f}")
+            for r in earlier:
+                self.ledger.dispute(r, f"worker caught returning wrong sums in dispatch {receipt.dispatch_id}")
         log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=receipt.dispatch_id, layer=layer, max_abs_diff=result.max_abs_diff, min_cosine=result.min_cosine, banned_s=ban)
         return want
 

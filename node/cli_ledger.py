@@ -32,8 +32,10 @@ def find_ledger(path: str | None, role: str | None) -> Path:
     raise LedgerError(f"both a backbone and a worker ledger exist under {home}; pass --role or --ledger")
 
 
-def parse_since(text: str) -> float:
+def parse_since(ctx: click.Context, param: click.Parameter, text: str | None) -> float | None:
     """Unix seconds, or an ISO-8601 time (UTC when it names no zone)."""
+    if text is None:
+        return None
     try:
         return float(text)
     except ValueError:
@@ -54,13 +56,13 @@ def ledger_group() -> None:
 @ledger_opt
 @role_opt
 @click.option("--peer", default=None, help="Only this peer id.")
-@click.option("--since", default=None, help="Only receipts recorded at or after this time (unix seconds or ISO-8601).")
+@click.option("--since", default=None, callback=parse_since, help="Only receipts recorded at or after this time (unix seconds or ISO-8601).")
 @click.option("--json", "as_json", is_flag=True)
-def show_cmd(ledger_path: str | None, role: str | None, peer: str | None, since: str | None, as_json: bool) -> None:
+def show_cmd(ledger_path: str | None, role: str | None, peer: str | None, since: float | None, as_json: bool) -> None:
     """Dispatches, work units, credits and disputes per peer (the chain is not checked: see `ledger verify`)."""
     path = find_ledger(ledger_path, role)
     with Ledger(path) as ledger:
-        totals = ledger.totals(peer=peer, since=parse_since(since) if since else None)
+        totals = ledger.totals(peer=peer, since=since)
         head = {"ledger": str(path), "role": ledger.role.value, "owner": ledger.owner}
     summary = {
         **head,

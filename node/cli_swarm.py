@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import click
 
@@ -17,6 +18,7 @@ from experts.tokenizer import StreamDecoder, Tokenizer
 
 from .cli import emit_json, main
 from .cli_model import parse_size
+from .ledger import FILENAME
 from .runtime import data_dir as node_dir, load_identity, parse_hostport
 from .swarm import WorkerOptions, backbone_session, run_bootstrap_node, run_worker, wait_for_hosts
 
@@ -51,9 +53,10 @@ def bootstrap_cmd(listen: str, bootstrap: tuple[str, ...], data_dir: str | None,
 @click.option("--price", default=0, show_default=True, help="Price per work unit, announced in the DHT record.")
 @click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
 @click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative).")
+@click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
 @data_dir_opt
 @ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, data_dir, ready_file) -> None:
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, no_ledger, data_dir, ready_file) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
@@ -74,8 +77,9 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         model_digest=model_digest,
         max_datagram=max_datagram,
     )
-    ident = load_identity(node_dir(data_dir, "worker"))
-    asyncio.run(run_worker(ident, opts, ready_file))
+    home = node_dir(data_dir, "worker")
+    ident = load_identity(home)
+    asyncio.run(run_worker(ident, opts, ready_file, None if no_ledger else home / FILENAME))
 
 
 @main.group("backbone")
@@ -91,21 +95,28 @@ def backbone_group() -> None:
 @click.option("--wire", default="f32", show_default=True, type=click.Choice(["f32", "f16", "int8"]))
 @click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts.")
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds before a host is given up for a dispatch.")
+@click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC (use this host's address to reach workers off loopback).")
+@click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT client.")
+@click.option("--spot-check", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Fraction of dispatches re-computed locally to catch wrong answers.")
+@click.option("--max-price", default=None, type=int, help="Never use workers asking more per work unit.")
+@click.option("--ledger", "ledger_path", default=None, help="Append every receipt to this ledger (default DATA_DIR/ledger.sqlite).")
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, data_dir, as_json) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
-    ident = load_identity(node_dir(data_dir, "backbone"))
-    result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, Codec.parse(wire), wait_hosts, timeout, stream=not as_json))
+    home = node_dir(data_dir, "backbone")
+    ident = load_identity(home)
+    session = dict(codec=Codec.parse(wire), timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME)
+    result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json))
     if as_json:
         emit_json(result)
 
 
-async def _generate(ident, model, bootstrap, prompt, n_tokens, codec, wait_hosts, timeout, *, stream: bool) -> dict:
+async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session: dict, *, stream: bool) -> dict:
     tok = Tokenizer.from_spec(model.tokenizer_spec)
     bb = Backbone(model)
-    async with backbone_session(ident, model, bootstrap, codec=codec, timeout=timeout) as moe:
+    async with backbone_session(ident, model, bootstrap, **session) as moe:
         await wait_for_hosts(moe, model.layers, wait_hosts, 60)
         out = []
         dec = StreamDecoder(tok)

@@ -8,8 +8,8 @@ import sys
 import click
 
 from .cli import emit_json, main
-from .testbed import Testbed, TestbedError, down_stale, list_netns, require_root, teardown
-from .testbed.netns import list_states, state_file
+from .testbed import Testbed, TestbedError, down_stale, require_root, teardown
+from .testbed.netns import exists, list_states
 from .testbed.topology import Nat, normalize_prefix
 
 
@@ -70,7 +70,7 @@ def down_cmd(name: str | None, all_stale: bool) -> None:
         emit_json({"removed": down_stale()})
         return
     prefix = _only_testbed(name)
-    if not state_file(prefix).exists() and not any(n.startswith(prefix) for n in list_netns()):
+    if not exists(prefix):
         raise TestbedError(f"no testbed named {prefix} is up")
     teardown(prefix)
     emit_json({"removed": [prefix]})

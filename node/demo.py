@@ -11,7 +11,6 @@ the end, also on Ctrl-C or an error.
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +28,8 @@ from p2p.identity import Identity
 
 from .cli import emit_json, main
 from .launcher import Cluster
+from .ledger import FILENAME
+from .runtime import data_dir, load_identity
 from .swarm import backbone_session, wait_for_hosts
 
 LOOPBACK_DATAGRAM = 16384  # everything runs on loopback: large QUIC datagrams cut per-packet cost (FIELD-NOTES)
@@ -40,27 +41,28 @@ LOOPBACK_DATAGRAM = 16384  # everything runs on loopback: large QUIC datagrams c
 @click.option("--tokens", "n_tokens", default=48, show_default=True)
 @click.option("--workers", "n_workers", default=3, show_default=True, help="Worker processes; each hosts an equal share of the experts.")
 @click.option("--wire", default="f32", show_default=True, type=click.Choice(["f32", "f16", "int8"]))
-@click.option("--workdir", default=None, help="Keep node logs and keys here (default: a temporary directory).")
+@click.option("--workdir", default=None, help="Node logs, keys and ledgers (default: a new directory under $MOESWARM_HOME/demo).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary instead of streaming text.")
 def demo_cmd(model_path: str, prompt: str, n_tokens: int, n_workers: int, wire: str, workdir: str | None, as_json: bool) -> None:
     """Start a bootstrap node and workers on loopback, generate text through them, compare with the local run."""
     model = GGUFModel(model_path)
     part = Partition.even(model.cfg.n_expert, n_workers)
-    with tempfile.TemporaryDirectory(prefix="moeswarm-demo-") as tmp:
-        root = Path(workdir) if workdir else Path(tmp)
-        with Cluster(root) as cluster:
-            say = (lambda *a: None) if as_json else click.echo
-            say(f"model {model.path.name}: {model.cfg.arch}, {model.cfg.n_layer} MoE layers, {model.cfg.n_expert} experts top-{model.cfg.n_expert_used}, digest {model.digest[:16]}...")
-            boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()
-            addr = boot["dht_addrs"][0]
-            say(f"bootstrap {boot['peer_id']} at {addr}")
-            procs = [cluster.start(f"worker{i}", "worker", "--model", str(model.path), "--experts", f"{a}-{b - 1}", "--bootstrap", addr, "--max-datagram", str(LOOPBACK_DATAGRAM)) for i, (a, b) in enumerate(part.bounds)]
-            workers = [p.wait_ready() for p in procs]
-            for w, (a, b) in zip(workers, part.bounds):
-                say(f"worker {w['peer_id']} at {w['quic_addr']}: experts {a}-{b - 1} of every layer ({w['load']})")
-            summary = asyncio.run(_run(model, part, addr, prompt, n_tokens, Codec.parse(wire), n_workers, stream=not as_json))
+    root = Path(workdir) if workdir else data_dir(None, "demo") / time.strftime("run-%Y%m%d-%H%M%S")
+    with Cluster(root) as cluster:
+        say = (lambda *a: None) if as_json else click.echo
+        say(f"model {model.path.name}: {model.cfg.arch}, {model.cfg.n_layer} MoE layers, {model.cfg.n_expert} experts top-{model.cfg.n_expert_used}, digest {model.digest[:16]}...")
+        boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()
+        addr = boot["dht_addrs"][0]
+        say(f"bootstrap {boot['peer_id']} at {addr}")
+        procs = [cluster.start(f"worker{i}", "worker", "--model", str(model.path), "--experts", f"{a}-{b - 1}", "--bootstrap", addr, "--max-datagram", str(LOOPBACK_DATAGRAM)) for i, (a, b) in enumerate(part.bounds)]
+        workers = [p.wait_ready() for p in procs]
+        for w, (a, b) in zip(workers, part.bounds):
+            say(f"worker {w['peer_id']} at {w['quic_addr']}: experts {a}-{b - 1} of every layer ({w['load']})")
+        backbone_home = data_dir(str(root / "backbone"), "backbone")
+        summary = asyncio.run(_run(model, part, addr, prompt, n_tokens, Codec.parse(wire), load_identity(backbone_home), backbone_home / FILENAME, stream=not as_json))
     summary["workers"] = [{"peer_id": w["peer_id"], "experts": f"{a}-{b - 1}", "path": "direct", "dispatches": summary["per_peer"].get(w["peer_id"], 0)} for w, (a, b) in zip(workers, part.bounds)]
-    summary["ledger_paths"] = []
+    summary["ledger_paths"] = [w["ledger"] for w in workers] + [str(backbone_home / FILENAME)]
+    summary["workdir"] = str(root)
     if as_json:
         emit_json(summary)
     else:
@@ -70,16 +72,17 @@ def demo_cmd(model_path: str, prompt: str, n_tokens: int, n_workers: int, wire: 
         click.echo(f"hosts per layer {summary['hosts_per_layer']}; bytes per token per layer: out {bpt['out']}, back {bpt['back']}; "
                    f"round trip p50 {summary['rtt_ms']['p50']} ms, p99 {summary['rtt_ms']['p99']} ms; failed dispatches {summary['failed_dispatches']}")
         click.echo(f"{summary['tokens']} tokens at {summary['tokens_per_s']} tokens/s; identical to the single-process run: {summary['identical_to_local']}")
+        click.echo(f"logs, keys and ledgers in {root}; e.g. moeswarm ledger show --ledger {summary['ledger_paths'][-1]}")
     if not summary["identical_to_local"] and wire == "f32":
         raise SystemExit(1)
 
 
-async def _run(model: GGUFModel, part: Partition, bootstrap: str, prompt: str, n_tokens: int, codec: Codec, n_workers: int, *, stream: bool) -> dict:
+async def _run(model: GGUFModel, part: Partition, bootstrap: str, prompt: str, n_tokens: int, codec: Codec, identity: Identity, ledger_path: Path, *, stream: bool) -> dict:
     tok = Tokenizer.from_spec(model.tokenizer_spec)
     bb = Backbone(model)
     ids = tok.encode(prompt)
     stop = {tok.eos_id}
-    async with backbone_session(Identity.generate(), model, [bootstrap], codec=codec, max_datagram=LOOPBACK_DATAGRAM) as moe:
+    async with backbone_session(identity, model, [bootstrap], codec=codec, max_datagram=LOOPBACK_DATAGRAM, ledger_path=ledger_path) as moe:
         await wait_for_hosts(moe, model.layers, 1, 60)
         out: list[int] = []
         dec = StreamDecoder(tok)

@@ -13,8 +13,9 @@ hashes, or cutting entries off its tail, then needs the owner's key.
 A receipt's life, one row of :data:`TRANSITIONS` per legal step::
 
     (new) --issue--> ISSUED --countersign--> COUNTERSIGNED --pay--> PAID
-    (new) --accept-------------------------> COUNTERSIGNED --dispute--> DISPUTED
-                     ISSUED --dispute--> DISPUTED
+      |                 |                      ^   |
+      +------accept-----)----------------------+   +--dispute--> DISPUTED
+                        +--dispute--> DISPUTED
 
 The worker issues (signs) a receipt; the backbone accepts it by countersigning
 receipt body and worker signature together (:func:`countersign`). Entries, the table,
@@ -34,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from enum import StrEnum
+from functools import cached_property
 from pathlib import Path
 from typing import IO, NamedTuple, get_type_hints
 
@@ -292,7 +294,7 @@ class Entry:
             v["expert_ids"] = list(v["expert_ids"])
         return ENTRY_CONTEXT + json.dumps(v, sort_keys=True, separators=(",", ":")).encode()
 
-    @property
+    @cached_property
     def entry_hash(self) -> bytes:
         return hashlib.sha256(self.prev_hash + self.canonical()).digest()
 
@@ -423,7 +425,7 @@ class ChainChecker:
             raise ChainError(last, "the ledger head is malformed")
         try:
             signed = PeerId.from_string(self.owner).verify(head_bytes(self.role, self.owner, head_seq, head_hash), head_sig)
-        except (IdentityError, ValueError):
+        except IdentityError:
             signed = False
         if not signed:
             raise ChainError(last, "the ledger head is not signed by the ledger's owner")
@@ -474,24 +476,25 @@ class Ledger:
     def __init__(self, path: str | Path, role: str | None = None, identity: Identity | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self.path, self.identity, self.clock = Path(path), identity, clock
         self._lock = threading.Lock()
+        want = Role(role) if role is not None else None
         exists = self.path.is_file()
         if not exists and (identity is None or self.path.exists()):
             raise LedgerError(f"no ledger at {self.path}")
-        if not exists and role is None:
+        if not exists and want is None:
             raise LedgerError("creating a ledger needs its role (backbone or worker)")
         if identity is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            target = str(self.path) if identity else f"file:{self.path}?mode=ro"
+            target = str(self.path) if identity else self.path.resolve().as_uri() + "?mode=ro"
             self._db = sqlite3.connect(target, uri=not identity, isolation_level=None, timeout=10, check_same_thread=False)
         except sqlite3.Error as exc:
             raise LedgerError(f"cannot open ledger {self.path}: {exc}") from None
         try:
             if not exists:
-                self._create(Role(role), identity)
+                self._create(want, identity)
             self.role, self.owner = self._header()
-            if role is not None and self.role is not Role(role):
-                raise LedgerError(f"{self.path} is a {self.role} ledger, not a {role} ledger")
+            if want is not None and self.role is not want:
+                raise LedgerError(f"{self.path} is a {self.role} ledger, not a {want} ledger")
             if identity is not None:
                 if str(identity.peer_id) != self.owner:
                     raise LedgerError(f"{self.path} belongs to {self.owner}, not to this node ({identity.peer_id})")
@@ -599,7 +602,7 @@ class Ledger:
         for e in out:
             if e.event.kind is Kind.DISPUTE:
                 ref = e.event.ref
-                log.info("receipt.disputed", dispatch_id=ref.dispatch_id, worker=ref.worker, backbone=ref.backbone, reason=e.event.note)
+                log.info("ledger.dispute_recorded", dispatch_id=ref.dispatch_id, worker=ref.worker, backbone=ref.backbone, reason=e.event.note)
         return out
 
     def _writer(self) -> Identity:

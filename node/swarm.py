@@ -24,6 +24,7 @@ from p2p.quic import Endpoint
 from p2p.records import HostedSlice
 
 from .backbone import RemoteMoE
+from .ledger_sink import LedgerSink
 from .routing import scarcity_price
 from .runtime import until_stopped, write_ready
 from .worker import Worker
@@ -48,14 +49,15 @@ class WorkerOptions:
     reprice_s: float = 60.0
 
 
-async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None) -> None:
+async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None) -> None:
     """Load the slice, serve dispatches, announce until SIGINT/SIGTERM, then withdraw and close."""
     model = GGUFModel(opts.model)
     if model.is_slice:
         check_slice(model, opts.model_digest)
     store = ExpertStore(model, opts.layers, opts.experts, memory_budget=opts.memory_budget)
     await asyncio.to_thread(store.warm)  # announce only once dispatches are served at full speed
-    worker = Worker(identity, store, price=opts.price)
+    ledger = LedgerSink(ledger_path, "worker", identity) if ledger_path else None
+    worker = Worker(identity, store, price=opts.price, ledger=ledger)
     endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram)
     addr = opts.advertise or f"{opts.listen[0]}:{endpoint.local_addr[1]}"
     ranges = ((store.experts.start, store.experts.stop),)
@@ -90,7 +92,7 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
         if opts.price:
             repricing = asyncio.create_task(reprice())
         log.info("worker.ready", peer=str(identity.peer_id), quic=addr, layers=f"{store.layers.start}-{store.layers.stop - 1}", experts=str(store.experts), mode=store.plan.mode)
-        write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "dht_addrs": dht.multiaddrs, "load": store.plan.mode, "price": worker.price})
+        write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "dht_addrs": dht.multiaddrs, "load": store.plan.mode, "price": worker.price, "ledger": str(ledger_path) if ledger_path else None})
         await until_stopped()
     finally:
         if repricing:
@@ -103,6 +105,8 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
         await endpoint.close()
         await dht.close()
         worker.close()
+        if ledger:
+            ledger.close()
 
 
 async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequence[str], ready_file: str | None) -> None:
@@ -113,20 +117,23 @@ async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequenc
 
 
 @asynccontextmanager
-async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, memory_budget: int | None = None, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, on_receipt=None, max_price: int | None = None):
+async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, memory_budget: int | None = None, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, ledger_path: Path | None = None, max_price: int | None = None):
     """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, local fallback experts."""
     endpoint = await Endpoint.bind(identity, listen[0], listen[1], handler=None, max_datagram_size=max_datagram)
     dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
+    ledger = LedgerSink(ledger_path, "backbone", identity) if ledger_path else None
     try:
         await dht.start()
         cfg = model.cfg
-        moe = RemoteMoE(endpoint, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model, memory_budget=memory_budget), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, on_receipt=on_receipt)
+        moe = RemoteMoE(endpoint, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model, memory_budget=memory_budget), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger)
         moe.router.max_price = max_price
         moe.loop = asyncio.get_running_loop()
         yield moe
     finally:
         await endpoint.close()
         await dht.close()
+        if ledger:
+            ledger.close()
 
 
 async def wait_for_hosts(moe: RemoteMoE, layers: range, n_hosts: int, deadline_s: float) -> None:

@@ -25,6 +25,7 @@ from experts.slices import ExpertStore
 from p2p import wire
 from p2p.identity import Identity, PeerId
 
+from .ledger_sink import LedgerSink
 from .receipts import Receipt, digest, sign, work_units
 
 log = structlog.get_logger("node.worker")
@@ -63,13 +64,14 @@ class WorkerStats:
 class Worker:
     """Dispatch handler over an :class:`ExpertStore`; plug ``handle`` into a QUIC endpoint."""
 
-    def __init__(self, identity: Identity, store: ExpertStore, *, price: int = 0, path_of=None) -> None:
+    def __init__(self, identity: Identity, store: ExpertStore, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None) -> None:
         self.identity = identity
         self.store = store
         self.model_digest = store.model.digest
         self._model_id = wire.model_id_of(bytes.fromhex(self.model_digest))
         self.price = price
         self.path_of = path_of or (lambda peer: "direct")
+        self.ledger = ledger
         self.stats = WorkerStats()
         self._pending: dict[int, list[_Job]] = {}
         self._running: set[int] = set()
@@ -138,7 +140,10 @@ class Worker:
         )
         reply = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, b"\0" * 72)
         receipt = _with_bytes_out(receipt, reply.encoded_len())
-        reply = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, sign(self.identity, receipt).encode())
+        stamp = sign(self.identity, receipt)
+        reply = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, stamp.encode())
+        if self.ledger:
+            self.ledger.receipt(receipt, stamp)
         self.stats.dispatches += 1
         self.stats.tokens += req.n_tokens
         self.stats.by_peer[str(peer)] = self.stats.by_peer.get(str(peer), 0) + 1

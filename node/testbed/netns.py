@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -143,6 +144,11 @@ def list_states() -> list[str]:
     return sorted(p.name.removesuffix(".json") for p in STATE_ROOT.glob("msw*-.json")) if STATE_ROOT.is_dir() else []
 
 
+def exists(prefix: str) -> bool:
+    """Does anything of testbed `prefix` exist (its state file or a namespace)?"""
+    return state_file(prefix).exists() or any(n.startswith(prefix) for n in list_netns())
+
+
 def teardown(prefix: str, namespaces: list[str] | None = None, procs: list[subprocess.Popen] = ()) -> None:
     """Kill every process in the run's namespaces, delete the namespaces and the run's state. Idempotent."""
     if not PREFIX_RE.match(prefix):
@@ -191,7 +197,10 @@ def stale() -> list[str]:
     prefixes = set(list_states()) | {n[: n.index("-") + 1] for n in list_netns() if n.startswith("msw") and "-" in n}
     out = []
     for prefix in sorted(p for p in prefixes if PREFIX_RE.match(p)):
-        owner = json.loads(state_file(prefix).read_text()).get("owner") if state_file(prefix).exists() else None
+        try:
+            owner = json.loads(state_file(prefix).read_text()).get("owner")
+        except FileNotFoundError:
+            owner = None
         if owner is None or _start_time(owner[0]) != owner[1]:
             out.append(prefix)
     return out
@@ -221,6 +230,7 @@ class Testbed:
         self.rtt_ms = float(rtt_ms)
         self.loss_pct = float(loss_pct)
         self.keep = keep
+        self._random_name = name is None
         self.plan: Plan = plan(normalize_prefix(name) if name else new_prefix(), tuple(Nat(r) for r in routers))
         self.delay_pids: dict[str, int] = {}
         self._procs: list[subprocess.Popen] = []
@@ -251,10 +261,14 @@ class Testbed:
         require_root()
         if self._up:
             raise TestbedError(f"testbed {self.prefix} is already up")
-        if state_file(self.prefix).exists() or any(n.startswith(self.prefix) for n in list_netns()):
-            raise TestbedError(f"a testbed named {self.prefix} already exists: moeswarm testbed down --name {self.prefix}")
+        for attempt in range(8):
+            if not exists(self.prefix):
+                break
+            if not self._random_name or attempt == 7:
+                raise TestbedError(f"a testbed named {self.prefix} already exists: moeswarm testbed down --name {self.prefix}")
+            self.plan = replace(self.plan, prefix=new_prefix())  # a random name collided: draw another
         self._up = True
-        self._save_state()
+        self._save_state(owned=True)  # before anything exists; owned while building, so not stale even with keep
         if not self.keep:
             atexit.register(self._down_at_exit)
         try:
@@ -262,7 +276,7 @@ class Testbed:
         except BaseException:
             self.down()
             raise
-        self._save_state()
+        self._save_state(owned=not self.keep)
         log.info("testbed.up", name=self.prefix, rtt_ms=self.rtt_ms, loss_pct=self.loss_pct)
         return self
 
@@ -291,8 +305,8 @@ class Testbed:
     def __exit__(self, *exc: object) -> None:
         self.down()
 
-    def _save_state(self) -> None:
-        owner = None if self.keep else [os.getpid(), _start_time(os.getpid())]
+    def _save_state(self, owned: bool) -> None:
+        owner = [os.getpid(), _start_time(os.getpid())] if owned else None
         _write_state(self.prefix, {
             "name": self.prefix, "owner": owner, "rtt_ms": self.rtt_ms, "loss_pct": self.loss_pct,
             "routers": [str(h.nat) for h in self.plan.hosts if h.kind is Kind.ROUTER],
