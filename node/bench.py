@@ -110,10 +110,11 @@ def message_bytes(d: int, k: int, n_tokens: int = 1) -> dict:
 @click.option("--tokens", "n_tokens", default=16, show_default=True, help="Decode steps timed per path.")
 @click.option("--qtype", default="Q4_K", show_default=True)
 @click.option("--layers", "n_layer", default=1, show_default=True)
+@click.option("--experts", "n_expert", default=REFERENCE["n_expert"], show_default=True, help="Fewer for a quick run.")
 @click.option("--max-datagram", default=16384, show_default=True, help="QUIC datagram size on both ends (loopback takes 16384).")
 @click.option("--rounds", default=3, show_default=True, help="Alternating local/remote rounds; medians are reported.")
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
-def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, max_datagram: int, rounds: int, write_md: str | None) -> None:
+def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: int, rounds: int, write_md: str | None) -> None:
     """Loopback decode throughput, remote (1 worker process over QUIC) vs all-local, and exact message bytes."""
     import asyncio
 
@@ -125,7 +126,7 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, max_d
     from .launcher import Cluster
     from .swarm import backbone_session, wait_for_hosts
 
-    cfg = random_config(**{**REFERENCE, "n_layer": n_layer})
+    cfg = random_config(**{**REFERENCE, "n_layer": n_layer, "n_expert": n_expert})
     prompt = [72, 101, 108, 108, 111]
     with tempfile.TemporaryDirectory(prefix="moeswarm-bench-") as tmp:
         path = Path(tmp) / "reference.gguf"
@@ -144,32 +145,52 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, max_d
 
         with Cluster(Path(tmp) / "nodes") as cluster:
             boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
-            cluster.start("worker", "worker", "--model", str(path), "--bootstrap", boot, "--max-datagram", str(max_datagram)).wait_ready(600)
+            worker_args = ("worker", "--model", str(path), "--bootstrap", boot, "--max-datagram", str(max_datagram))
+            # Two replicas of every expert: one records receipts in its ledger, one runs with --no-ledger.
+            plain = cluster.start("worker-no-ledger", *worker_args, "--no-ledger").wait_ready(600)
+            booked = cluster.start("worker-ledger", *worker_args).wait_ready(600)
 
             async def interleaved():
-                """Local and remote rounds alternate, so drifting machine load hits both alike."""
-                async with backbone_session(Identity.generate(), model, [boot], max_datagram=max_datagram) as moe:
-                    await wait_for_hosts(moe, model.layers, 1, 60)
-                    await asyncio.to_thread(decode, moe.hook)  # warm-up: connection, RTT estimates, caches
+                """Rounds alternate local / remote without ledgers / remote with ledgers on both sides,
+                so drifting machine load hits all three alike."""
+                ledger_path = Path(tmp) / "backbone-ledger.sqlite"
+                async with backbone_session(Identity.generate(), model, [boot], max_datagram=max_datagram, ledger_path=ledger_path) as moe:
+                    await wait_for_hosts(moe, model.layers, 2, 60)
+                    sink = moe.ledger
+                    ids = {info["peer_id"]: peer for peer in moe.router.health for info in (plain, booked) if str(peer) == info["peer_id"]}
+
+                    def use(info, ledger):
+                        for peer_id, peer in ids.items():
+                            moe.router.health[peer].banned_until = 0.0 if peer_id == info["peer_id"] else float("inf")
+                        moe.ledger = ledger
+
+                    for info, ledger in ((plain, None), (booked, sink)):  # warm-up: connections, RTT, caches
+                        use(info, ledger)
+                        await asyncio.to_thread(decode, moe.hook)
                     moe.stats.records.clear()
                     moe.stats.tokens_forwarded = 0
-                    local, remote = [], []
+                    local, remote, remote_ledger = [], [], []
                     for _ in range(rounds):
                         local.append(await asyncio.to_thread(decode, local_hook))
+                        use(plain, None)
                         remote.append(await asyncio.to_thread(decode, moe.hook))
-                    return local, remote, moe.stats.summary()
+                        use(booked, sink)
+                        remote_ledger.append(await asyncio.to_thread(decode, moe.hook))
+                    return local, remote, remote_ledger, moe.stats.summary()
 
-            local, remote, stats = asyncio.run(interleaved())
+            local, remote, remote_ledger, stats = asyncio.run(interleaved())
         local_tps = float(np.median([tps for _, tps in local]))
         remote_tps = float(np.median([tps for _, tps in remote]))
+        ledger_tps = float(np.median([tps for _, tps in remote_ledger]))
         local_toks, remote_toks = local[0][0], remote[0][0]
     result = {
-        "config": {**REFERENCE, "n_layer": n_layer, "qtype": qtype, "max_datagram": max_datagram},
+        "config": {**REFERENCE, "n_layer": n_layer, "n_expert": n_expert, "qtype": qtype, "max_datagram": max_datagram},
         "machine": f"{platform.machine()}, numpy {np.__version__}, OPENBLAS_NUM_THREADS=1",
         "bytes_per_token_per_layer": message_bytes(cfg.n_embd, cfg.n_expert_used),
         "measured_f32_bytes_per_token_per_layer": stats["bytes_per_token_per_layer"],
         "throughput": {"local_tokens_s": round(local_tps, 3), "remote_tokens_s": round(remote_tps, 3), "ratio": round(remote_tps / local_tps, 3)},
-        "identical": remote_toks == local_toks and all(t == local_toks for t, _ in local + remote),
+        "ledger": {"remote_tokens_s_without": round(remote_tps, 3), "remote_tokens_s_with": round(ledger_tps, 3), "cost_pct": round(100 * (1 - ledger_tps / remote_tps), 2)},
+        "identical": all(t == local[0][0] for t, _ in local + remote + remote_ledger),
         "rtt_ms": stats["rtt_ms"],
     }
     if write_md:
@@ -181,3 +202,5 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, max_d
             click.echo(f"{k}: out {v['out']:.0f} B, back {v['back']:.0f} B, total {v['total']:.0f} B")
         t = result["throughput"]
         click.echo(f"decode: local {t['local_tokens_s']} tokens/s, remote {t['remote_tokens_s']} tokens/s, ratio {t['ratio']}; identical {result['identical']}")
+        lg = result["ledger"]
+        click.echo(f"ledgers: remote {lg['remote_tokens_s_without']} tokens/s without, {lg['remote_tokens_s_with']} with ({lg['cost_pct']}% cost)")
