@@ -178,6 +178,16 @@ def grouped_moe(
     return combine([partial_sum(source, layer, x, expert_ids, weights, partition.held_mask(g, expert_ids)) for g in range(len(partition.bounds))])
 
 
+def hot_grouped_moe(
+    source: ExpertSource, partition: Partition, hot: np.ndarray, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray
+) -> np.ndarray:
+    """The local path when the backbone keeps *hot* (a mask over experts) itself: each group answers
+    for its experts that are not hot, and the hot ones form one extra group, added last."""
+    is_hot = hot[expert_ids]
+    groups = [partition.held_mask(g, expert_ids) & ~is_hot for g in range(len(partition.bounds))] + [is_hot]
+    return combine([partial_sum(source, layer, x, expert_ids, weights, held) for held in groups])
+
+
 def ungrouped_moe(source: ExpertSource, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Plain slot-order sum over all k experts (what a single llama.cpp process does)."""
     return partial_sum(source, layer, x, expert_ids, weights, np.ones(expert_ids.shape, dtype=bool))[0]

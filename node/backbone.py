@@ -33,6 +33,7 @@ from p2p import wire
 from p2p.discovery import Discovery
 from p2p.quic import Endpoint, TransportError
 
+from .hot import HotExperts
 from .ledger_sink import LedgerSink
 from .receipts import Receipt, ReceiptError, ReceiptStamp, digest, verify, work_units
 from .routing import Host, Router
@@ -116,6 +117,7 @@ class RemoteMoE:
         spot_check: float = 0.0,
         spot_seed: int | None = None,
         ledger: LedgerSink | None = None,
+        hot: HotExperts | None = None,
     ) -> None:
         require_verified(model_digest, codec)
         self.endpoint = endpoint
@@ -132,6 +134,7 @@ class RemoteMoE:
         self.disputes: list[Dispute] = []
         self.checker = SpotChecker(spot_check, spot_seed)
         self.ledger = ledger  # every verified receipt, and every dispute, is appended (off the hot path)
+        self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def refresh(self, layers: range) -> None:
@@ -151,20 +154,31 @@ class RemoteMoE:
     async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         if layer not in self.router.routes:
             await self.refresh(range(layer, layer + 1))
-        route = self.router.routes[layer]
-        part = route.partition
+        part = self.router.routes[layer].partition
+        is_hot = self.hot.hot(layer)[ids] if self.hot else np.zeros(ids.shape, dtype=bool)
+        groups = [part.held_mask(g, ids) & ~is_hot for g in range(len(part.bounds))]
         jobs, present = [], []
-        for g in range(len(part.bounds)):
-            held = part.held_mask(g, ids)
+        for g, held in enumerate(groups):
             rows = held.any(axis=1)
             present.append(rows)
             if rows.any():
                 jobs.append((g, rows, self._group(layer, g, x[rows], np.where(held, ids, -1)[rows], w[rows], held[rows])))
+        if is_hot.any():  # the backbone's own hot experts: computed here while the round trips are in flight
+            rows = is_hot.any(axis=1)
+            present.append(rows)
+            jobs.append((len(groups), rows, self._local(layer, x[rows], ids[rows], w[rows], is_hot[rows])))
         results = await asyncio.gather(*(job for _, _, job in jobs))
         partials = [(np.zeros_like(x), rows) for rows in present]
         for (g, rows, _), sums in zip(jobs, results):
             partials[g][0][rows] = sums
+        if self.hot:
+            self.hot.observe(layer, ids)
         return combine(partials)
+
+    async def _local(self, layer: int, x, ids, w, held) -> np.ndarray:
+        loop = asyncio.get_running_loop()
+        sums, _ = await loop.run_in_executor(None, partial_sum, self.fallback, layer, x, ids, w, held)
+        return sums
 
     async def _group(self, layer: int, group: int, x, ids, w, held) -> np.ndarray:
         for host in self.router.candidates(layer, group, time.monotonic()):
@@ -175,9 +189,7 @@ class RemoteMoE:
                 log.warning("dispatch.failed", peer=str(host.peer_id), layer=layer, reason=str(exc), benched_s=backoff)
         self.stats.local_groups += 1
         log.info("dispatch.local", layer=layer, group=list(self.router.routes[layer].partition.bounds[group]), n_tokens=x.shape[0])
-        loop = asyncio.get_running_loop()
-        sums, _ = await loop.run_in_executor(None, partial_sum, self.fallback, layer, x, ids, w, held)
-        return sums
+        return await self._local(layer, x, ids, w, held)
 
     async def _send(self, host: Host, layer: int, x, ids, w, held) -> np.ndarray:
         n, k = ids.shape

@@ -100,14 +100,17 @@ def backbone_group() -> None:
 @click.option("--spot-check", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Fraction of dispatches re-computed locally to catch wrong answers.")
 @click.option("--max-price", default=None, type=int, help="Never use workers asking more per work unit.")
 @click.option("--ledger", "ledger_path", default=None, help="Append every receipt to this ledger (default DATA_DIR/ledger.sqlite).")
+@click.option("--local-experts", default=0, show_default=True, help="Keep this many of each layer's hottest experts local.")
+@click.option("--local-memory", default=None, help="Or: as many hot experts as fit this much RAM, e.g. 2G.")
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, data_dir, as_json) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     ident = load_identity(home)
-    session = dict(codec=Codec.parse(wire), timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME)
+    session = dict(codec=Codec.parse(wire), timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
+                   local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None)
     result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json))
     if as_json:
         emit_json(result)
@@ -135,4 +138,5 @@ async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, sessi
         if stream:
             click.echo(dec.flush())
             click.echo(json.dumps(moe.stats.summary()), err=True)
-        return {"tokens": len(out), "text": tok.decode(out), "token_ids": out, "tokens_per_s": round(len(out) / elapsed, 3), **moe.stats.summary()}
+        hit = round(moe.hot.hit_rate, 4) if moe.hot else 0.0
+        return {"tokens": len(out), "text": tok.decode(out), "token_ids": out, "tokens_per_s": round(len(out) / elapsed, 3), "local_hit_rate": hit, **moe.stats.summary()}

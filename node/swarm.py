@@ -24,6 +24,7 @@ from p2p.quic import Endpoint
 from p2p.records import HostedSlice
 
 from .backbone import RemoteMoE
+from .hot import HotExperts
 from .ledger_sink import LedgerSink
 from .routing import scarcity_price
 from .runtime import until_stopped, write_ready
@@ -117,7 +118,7 @@ async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequenc
 
 
 @asynccontextmanager
-async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, memory_budget: int | None = None, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, ledger_path: Path | None = None, max_price: int | None = None):
+async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, memory_budget: int | None = None, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, ledger_path: Path | None = None, max_price: int | None = None, local_experts: int = 0, local_memory: int | None = None):
     """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, local fallback experts."""
     endpoint = await Endpoint.bind(identity, listen[0], listen[1], handler=None, max_datagram_size=max_datagram)
     dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
@@ -125,7 +126,7 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
     try:
         await dht.start()
         cfg = model.cfg
-        moe = RemoteMoE(endpoint, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model, memory_budget=memory_budget), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger)
+        moe = RemoteMoE(endpoint, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model, memory_budget=memory_budget), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory))
         moe.router.max_price = max_price
         moe.loop = asyncio.get_running_loop()
         yield moe
@@ -134,6 +135,13 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         await dht.close()
         if ledger:
             ledger.close()
+
+
+def _hot_experts(model: GGUFModel, n: int, memory: int | None) -> HotExperts | None:
+    cfg = model.cfg
+    if memory is not None:
+        return HotExperts.for_memory(cfg.n_layer, cfg.n_expert, cfg.n_embd, cfg.n_ff_exp, memory)
+    return HotExperts(cfg.n_layer, cfg.n_expert, n) if n else None
 
 
 async def wait_for_hosts(moe: RemoteMoE, layers: range, n_hosts: int, deadline_s: float) -> None:
