@@ -6,19 +6,25 @@ import asyncio
 
 import click
 
+from p2p.identity import Identity
 from relay.server import RelayServer, run_relay
 
 from .cli import emit_json, main
-from .runtime import data_dir as node_dir, load_identity, parse_hostport, until_stopped, write_ready
+from .runtime import data_dir as node_dir
+from .runtime import load_identity, parse_hostport, until_stopped, write_ready
+
+_PEM = click.Path(exists=True, dir_okay=False)
 
 
 @main.command("relay")
-@click.option("--listen", default="127.0.0.1:3340", show_default=True, help="TCP HOST:PORT for HTTP(S) and WebSocket.")
-@click.option("--tls-cert", default=None, type=click.Path(exists=True, dir_okay=False), help="PEM certificate (chain) for wss://.")
-@click.option("--tls-key", default=None, type=click.Path(exists=True, dir_okay=False), help="PEM private key for --tls-cert.")
+@click.option("--listen", default="127.0.0.1:3340", show_default=True, help="TCP HOST:PORT for HTTP(S)/WebSocket.")
+@click.option("--tls-cert", default=None, type=_PEM, help="PEM certificate (chain): serve https:// and wss://.")
+@click.option("--tls-key", default=None, type=_PEM, help="PEM private key for --tls-cert.")
 @click.option("--data-dir", default=None, help="Where the relay keeps its key (default ~/.moeswarm/relay).")
 @click.option("--ready-file", default=None, help="Write a JSON line with the relay's URL and peer id once it serves.")
-def relay_cmd(listen: str, tls_cert: str | None, tls_key: str | None, data_dir: str | None, ready_file: str | None) -> None:
+def relay_cmd(
+    listen: str, tls_cert: str | None, tls_key: str | None, data_dir: str | None, ready_file: str | None
+) -> None:
     """Relay packets between peers that cannot reach each other directly, until Ctrl-C."""
     host, port = parse_hostport(listen)
     if (tls_cert is None) != (tls_key is None):
@@ -27,7 +33,9 @@ def relay_cmd(listen: str, tls_cert: str | None, tls_key: str | None, data_dir: 
     asyncio.run(_serve(ident, host, port, tls_cert, tls_key, ready_file))
 
 
-async def _serve(ident, host: str, port: int, tls_cert: str | None, tls_key: str | None, ready_file: str | None) -> None:
+async def _serve(
+    ident: Identity, host: str, port: int, tls_cert: str | None, tls_key: str | None, ready_file: str | None
+) -> None:
     ready: asyncio.Future[RelayServer] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(run_relay(ident, host, port, tls_cert=tls_cert, tls_key=tls_key, ready=ready))
     await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
