@@ -31,7 +31,9 @@ from experts.moe import ExpertSource, combine, partial_sum
 from experts.verify import require_verified
 from p2p import wire
 from p2p.discovery import Discovery
+from p2p.identity import PeerId
 from p2p.quic import Endpoint, TransportError
+from relay.client import RelayClient, RelayPath, RelayUnavailable, attach
 
 from .hot import HotExperts
 from .ledger_sink import LedgerSink
@@ -40,6 +42,10 @@ from .routing import Host, Router
 from .spotcheck import SpotChecker, compare
 
 log = structlog.get_logger("node.backbone")
+
+
+# Slot affinity: (layer, expert range of a group) -> the host that answered it for a session.
+Pins = dict[tuple[int, tuple[int, int]], PeerId]
 
 
 class DispatchFailed(Exception):
@@ -135,6 +141,7 @@ class RemoteMoE:
         self.checker = SpotChecker(spot_check, spot_seed)
         self.ledger = ledger  # every verified receipt, and every dispute, is appended (off the hot path)
         self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
+        self.relays: dict[str, RelayPath] = {}  # relay URL -> our client there, for NAT-bound hosts
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def refresh(self, layers: range) -> None:
@@ -142,16 +149,17 @@ class RemoteMoE:
         for layer in layers:
             self.router.update(layer, await self.discovery.lookup(self.model_digest, layer))
 
-    def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> Future:
+    def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None) -> Future:
         """The ``moe_ffn`` for :class:`experts.forward.Backbone`, called off the loop thread.
 
         Returns a Future at once, so the forward computes the shared expert during the round trip.
         """
         assert self.loop is not None, "RemoteMoE.loop must be set to the loop that owns the endpoint"
         self.stats.tokens_forwarded += x.shape[0]
-        return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w), self.loop)
+        return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w, pins), self.loop)
 
-    async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+    async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None) -> np.ndarray:
+        """*pins*, if given, steers each group to the host pinned for it (while that host is ready) and records the host that answered."""
         if layer not in self.router.routes:
             await self.refresh(range(layer, layer + 1))
         part = self.router.routes[layer].partition
@@ -162,7 +170,7 @@ class RemoteMoE:
             rows = held.any(axis=1)
             present.append(rows)
             if rows.any():
-                jobs.append((g, rows, self._group(layer, g, x[rows], np.where(held, ids, -1)[rows], w[rows], held[rows])))
+                jobs.append((g, rows, self._group(layer, g, x[rows], np.where(held, ids, -1)[rows], w[rows], held[rows], pins)))
         if is_hot.any():  # the backbone's own hot experts: computed here while the round trips are in flight
             rows = is_hot.any(axis=1)
             present.append(rows)
@@ -175,15 +183,39 @@ class RemoteMoE:
             self.hot.observe(layer, ids)
         return combine(partials)
 
+    async def _relay_address(self, host: Host) -> tuple[str, int]:
+        """The endpoint address of a NAT-bound host: through a client of its relay (one per relay, kept)."""
+        url = host.relay.url
+        path = self.relays.get(url)
+        if path is None:
+            client = RelayClient(self.endpoint.identity, url, expected_relay=host.relay.peer_id)
+            path = self.relays[url] = attach(self.endpoint, client)
+            client.start()
+        try:
+            await path.client.wait_connected(self.timeout)
+        except RelayUnavailable as exc:
+            raise DispatchFailed(f"relay {url} unreachable: {exc}") from None
+        return path.address(host.peer_id)
+
+    async def close_relays(self) -> None:
+        for path in self.relays.values():
+            path.detach()
+            await path.client.close()
+        self.relays.clear()
+
     async def _local(self, layer: int, x, ids, w, held) -> np.ndarray:
         loop = asyncio.get_running_loop()
         sums, _ = await loop.run_in_executor(None, partial_sum, self.fallback, layer, x, ids, w, held)
         return sums
 
-    async def _group(self, layer: int, group: int, x, ids, w, held) -> np.ndarray:
-        for host in self.router.candidates(layer, group, time.monotonic()):
+    async def _group(self, layer: int, group: int, x, ids, w, held, pins: Pins | None) -> np.ndarray:
+        key = (layer, self.router.routes[layer].partition.bounds[group])
+        for host in self.router.candidates(layer, group, time.monotonic(), prefer=pins.get(key) if pins else None):
             try:
-                return await self._send(host, layer, x, ids, w, held)
+                sums = await self._send(host, layer, x, ids, w, held)
+                if pins is not None:
+                    pins[key] = host.peer_id
+                return sums
             except DispatchFailed as exc:
                 backoff = self.router.failed(host.peer_id, time.monotonic())
                 log.warning("dispatch.failed", peer=str(host.peer_id), layer=layer, reason=str(exc), benched_s=backoff)
@@ -210,7 +242,8 @@ class RemoteMoE:
         ok, reply_len = False, 0
         try:
             try:
-                raw = await self.endpoint.request(host.addr, host.peer_id, data, timeout=self.timeout)
+                addr = host.addr or await self._relay_address(host)
+                raw = await self.endpoint.request(addr, host.peer_id, data, timeout=self.timeout)
             except TransportError as exc:
                 raise DispatchFailed(f"{type(exc).__name__}: {exc}") from None
             reply_len = len(raw)
@@ -232,8 +265,8 @@ class RemoteMoE:
             ok = True
         finally:
             latency = (time.perf_counter() - t0) * 1e3
-            self.stats.records.append(DispatchRecord(layer, str(host.peer_id), "direct", n, len(data), reply_len, latency, ok))
-            log.info("dispatch.done", peer=str(host.peer_id), path="direct", layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
+            self.stats.records.append(DispatchRecord(layer, str(host.peer_id), host.path, n, len(data), reply_len, latency, ok))
+            log.info("dispatch.done", peer=str(host.peer_id), path=host.path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
         compute_ms = msg.compute_us / 1e3
         self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0))
         if self.checker.should_check():
@@ -293,7 +326,7 @@ class RemoteMoE:
             bytes_in=len(data),
             bytes_out=len(raw),
             codec=self.codec.name.lower(),
-            path="direct",
+            path=host.path,
             issued_at_us=stamp.issued_at_us,
             price=host.price,
             request_digest=digest(data),

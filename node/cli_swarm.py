@@ -54,9 +54,11 @@ def bootstrap_cmd(listen: str, bootstrap: tuple[str, ...], data_dir: str | None,
 @click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
 @click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative).")
 @click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
+@click.option("--relay", default=None, help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable.")
+@click.option("--relay-only", is_flag=True, help="Behind NAT: announce only the relay address, no direct QUIC address.")
 @data_dir_opt
 @ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, no_ledger, data_dir, ready_file) -> None:
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, no_ledger, relay, relay_only, data_dir, ready_file) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
@@ -76,7 +78,11 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         advertise=advertise,
         model_digest=model_digest,
         max_datagram=max_datagram,
+        relay=relay,
+        relay_only=relay_only,
     )
+    if relay_only and not relay:
+        raise click.UsageError("--relay-only needs --relay URL")
     home = node_dir(data_dir, "worker")
     ident = load_identity(home)
     asyncio.run(run_worker(ident, opts, ready_file, None if no_ledger else home / FILENAME))

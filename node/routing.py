@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from experts.moe import Partition
 from p2p.identity import PeerId
-from p2p.records import HostRecord
+from p2p.records import HostRecord, RelayAddress
 
 DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones
 EWMA = 0.2
@@ -48,16 +48,25 @@ class HostHealth:
 @dataclass(frozen=True)
 class Host:
     peer_id: PeerId
-    addr: tuple[str, int]
+    addr: tuple[str, int] | None  # direct QUIC address; None: reachable through its relay only (NAT-bound)
     ranges: tuple[tuple[int, int], ...]
     price: int
+    relay: RelayAddress | None = None
+
+    @property
+    def path(self) -> str:
+        """Path policy: publicly reachable hosts are dialled directly, NAT-bound ones through their relay."""
+        return "direct" if self.addr is not None else "relay"
 
     @classmethod
     def from_record(cls, r: HostRecord) -> Host | None:
-        if r.hosted.quic_addr is None:
-            return None  # relay-only hosts are reached through the relay path (NAT traversal)
-        host, _, port = r.hosted.quic_addr.rpartition(":")
-        return cls(r.peer_id, (host.strip("[]"), int(port)), r.hosted.expert_ranges, r.hosted.price)
+        addr = None
+        if r.hosted.quic_addr is not None:
+            host, _, port = r.hosted.quic_addr.rpartition(":")
+            addr = (host.strip("[]"), int(port))
+        elif r.hosted.relay is None:
+            return None
+        return cls(r.peer_id, addr, r.hosted.expert_ranges, r.hosted.price, r.hosted.relay)
 
     def covers(self, start: int, stop: int) -> bool:
         return any(a <= start and stop <= b for a, b in self.ranges)
@@ -89,8 +98,11 @@ class Router:
             self.health.setdefault(h.peer_id, HostHealth())
         return route
 
-    def candidates(self, layer: int, group: int, now: float) -> list[Host]:
-        """Hosts to try for a group, best first; benched hosts only when nothing else is left."""
+    def candidates(self, layer: int, group: int, now: float, prefer: PeerId | None = None) -> list[Host]:
+        """Hosts to try for a group, best first; benched hosts only when nothing else is left.
+
+        *prefer* (slot affinity: the host a session used before) goes first while it is ready.
+        """
         hosts = [h for h in self.routes[layer].hosts[group] if self.health[h.peer_id].banned_until <= now]
         ready = [h for h in hosts if self.health[h.peer_id].benched_until <= now]
         benched = [h for h in hosts if h not in ready]
@@ -100,7 +112,7 @@ class Router:
             score = self.health[h.peer_id].score()
             return (score > best * SIMILAR_RTT, h.price, score, h.peer_id)
 
-        return sorted(ready, key=key) + sorted(benched, key=key)
+        return sorted(ready, key=lambda h: (h.peer_id != prefer, *key(h))) + sorted(benched, key=key)
 
     def started(self, peer: PeerId) -> None:
         self.health[peer].inflight += 1

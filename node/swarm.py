@@ -21,7 +21,8 @@ from p2p.dht import LibP2PDiscovery
 from p2p.discovery import CachedDiscovery
 from p2p.identity import Identity
 from p2p.quic import Endpoint
-from p2p.records import HostedSlice
+from p2p.records import HostedSlice, RelayAddress
+from relay.client import RelayClient, attach
 
 from .backbone import RemoteMoE
 from .hot import HotExperts
@@ -48,6 +49,8 @@ class WorkerOptions:
     model_digest: str | None = None  # for a slice: the model it must belong to
     max_datagram: int = 1200  # QUIC datagram size this end sends (1200 is safe on any path; loopback takes 16384)
     reprice_s: float = 60.0
+    relay: str | None = None  # ws(s)://HOST:PORT/relay: also reachable through this relay
+    relay_only: bool = False  # NAT-bound: announce the relay address only (no direct QUIC address)
 
 
 async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None) -> None:
@@ -60,11 +63,19 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
     ledger = LedgerSink(ledger_path, "worker", identity) if ledger_path else None
     worker = Worker(identity, store, price=opts.price, ledger=ledger)
     endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram)
-    addr = opts.advertise or f"{opts.listen[0]}:{endpoint.local_addr[1]}"
+    addr = None if opts.relay_only else opts.advertise or f"{opts.listen[0]}:{endpoint.local_addr[1]}"
     ranges = ((store.experts.start, store.experts.stop),)
+    relay_addr, relay_path = None, None
+    if opts.relay:
+        relay_path = attach(endpoint, RelayClient(identity, opts.relay))
+        relay_path.client.start()
+        await relay_path.client.wait_connected(30)
+        relay_addr = RelayAddress(opts.relay, relay_path.client.relay_peer)
+        connections = endpoint.connections
+        worker.path_of = lambda peer: "relay" if str((connections().get(peer) or ("",))[0]).startswith("relay:") else "direct"
 
     def slices(price: int) -> list[HostedSlice]:
-        return [HostedSlice(model.digest, layer, ranges, quic_addr=addr, capacity=opts.capacity, price=price) for layer in store.layers]
+        return [HostedSlice(model.digest, layer, ranges, quic_addr=addr, relay=relay_addr, capacity=opts.capacity, price=price) for layer in store.layers]
 
     async def replicas() -> int:
         """Live hosts (this one included) of our slice's scarcest layer."""
@@ -93,7 +104,7 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
         if opts.price:
             repricing = asyncio.create_task(reprice())
         log.info("worker.ready", peer=str(identity.peer_id), quic=addr, layers=f"{store.layers.start}-{store.layers.stop - 1}", experts=str(store.experts), mode=store.plan.mode)
-        write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "dht_addrs": dht.multiaddrs, "load": store.plan.mode, "price": worker.price, "ledger": str(ledger_path) if ledger_path else None})
+        write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "relay": opts.relay, "dht_addrs": dht.multiaddrs, "load": store.plan.mode, "price": worker.price, "ledger": str(ledger_path) if ledger_path else None})
         await until_stopped()
     finally:
         if repricing:
@@ -103,6 +114,9 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
             log.info("worker.withdrawn", peer=str(identity.peer_id))
         except Exception as exc:  # shutdown goes on; records then expire on their own
             log.warning("worker.withdraw_failed", error=repr(exc))
+        if relay_path:
+            relay_path.detach()
+            await relay_path.client.close()
         await endpoint.close()
         await dht.close()
         worker.close()
@@ -123,6 +137,7 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
     endpoint = await Endpoint.bind(identity, listen[0], listen[1], handler=None, max_datagram_size=max_datagram)
     dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
     ledger = LedgerSink(ledger_path, "backbone", identity) if ledger_path else None
+    moe = None
     try:
         await dht.start()
         cfg = model.cfg
@@ -131,6 +146,8 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         moe.loop = asyncio.get_running_loop()
         yield moe
     finally:
+        if moe is not None:
+            await moe.close_relays()
         await endpoint.close()
         await dht.close()
         if ledger:
