@@ -86,3 +86,28 @@ def test_memory_budget_picks_on_the_fly_with_identical_results(model_dir):
     for e in range(full.cfg.n_expert):
         for a, b in zip(cached.weights(1, e), lean.weights(1, e)):
             np.testing.assert_array_equal(a, b)
+
+
+def test_fused_gate_up_tensor_reads_and_slices_like_separate_ones(tmp_path):
+    """A model storing ffn_gate_up_exps (gate rows, then up rows) computes and slices exactly like the split layout."""
+    from experts.model_writer import write_model
+    from experts.random_model import byte_level_tokenizer, random_config, random_tensors
+
+    cfg = random_config("qwen3moe", n_embd=64, n_ff_exp=32, n_expert=8, n_expert_used=2)
+    tensors = random_tensors(cfg, seed=3)
+    fused = dict(tensors)
+    for i in range(cfg.n_layer):
+        gate, up = fused.pop(f"blk.{i}.ffn_gate_exps.weight"), fused.pop(f"blk.{i}.ffn_up_exps.weight")
+        fused[f"blk.{i}.ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
+    write_model(tmp_path / "split.gguf", cfg, tensors, byte_level_tokenizer())
+    write_model(tmp_path / "fused.gguf", cfg, fused, byte_level_tokenizer())
+    split_m, fused_m = GGUFModel(tmp_path / "split.gguf"), GGUFModel(tmp_path / "fused.gguf")
+    assert fused_m.expert_kinds(0) == ("ffn_gate_up_exps", "ffn_down_exps")
+    for e in range(cfg.n_expert):
+        for a, b in zip(split_m.expert_weights(1, e), fused_m.expert_weights(1, e)):
+            np.testing.assert_array_equal(a, b)
+    sl = GGUFModel(write_slice(fused_m, range(0, 2), ExpertRange(4, 8), tmp_path / "s.gguf"))
+    check_slice(sl, fused_m.digest)
+    for e in range(4, 8):
+        for a, b in zip(sl.expert_weights(0, e), split_m.expert_weights(0, e)):
+            np.testing.assert_array_equal(a, b)
