@@ -95,7 +95,8 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
                 await dht.announce(slices(price))
                 log.info("worker.repriced", price=price)
 
-    dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap)
+    # NAT-bound workers join the DHT as clients: nobody can dial them, so they must not host records.
+    dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap, client_mode=opts.relay_only)
     repricing = None
     try:
         await dht.start()
