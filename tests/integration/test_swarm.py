@@ -112,3 +112,26 @@ def test_replica_killed_mid_generation_then_found_again(model, tmp_path):
         out2, moe2 = asyncio.run(remote_run(model, boot, ids, hosts_per_layer=1, timeout=1.0))
         assert [t for t, _ in out2] == local
         assert moe2.stats.summary()["per_peer"].get(victim["peer"], 0) > 0
+
+
+def test_demo_stops_every_process_on_ctrl_c(tmp_path):
+    """SIGINT to `moeswarm demo` while it runs leaves no node process behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    work = tmp_path / "demo"
+    p = subprocess.Popen([sys.executable, "-m", "node", "demo", "--tokens", "400", "--workdir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(list(work.glob("worker*.ready.json"))) < 3:
+        time.sleep(0.2)
+    assert len(list(work.glob("worker*.ready.json"))) == 3
+    children = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
+    assert len(children) >= 4  # bootstrap + 3 workers
+    p.send_signal(signal.SIGINT)
+    p.wait(60)
+    time.sleep(0.5)
+    left = [pid for pid in children if os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()]
+    assert left == []
