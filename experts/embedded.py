@@ -3,4 +3,4 @@
 from pathlib import Path
 
 EMBEDDED_MODEL = Path(__file__).parent / "data" / "embedded.gguf"
-DEFAULT_PROMPT = "And God said"
+DEFAULT_PROMPT = "And the LORD said unto Moses,"

@@ -30,6 +30,12 @@ LOGIT_TEXT = (
     "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.\n"
     "Blessed is the man that walketh not in the counsel of the ungodly, nor standeth in the way of sinners.\n"
     "Jesus wept. Then said the Jews, Behold how he loved him!\n"
+    # Isaiah 40:1-5, a book outside the training corpus; makes the sequence ~300 tokens long.
+    "Comfort ye, comfort ye my people, saith your God. Speak ye comfortably to Jerusalem, and cry unto her, "
+    "that her warfare is accomplished, that her iniquity is pardoned: for she hath received of the LORD's hand "
+    "double for all her sins.\nThe voice of him that crieth in the wilderness, Prepare ye the way of the LORD, "
+    "make straight in the desert a highway for our God.\nEvery valley shall be exalted, and every mountain and "
+    "hill shall be made low: and the crooked shall be made straight, and the rough places plain:\n"
 )
 PROMPT = "And God said"
 N_GREEDY = 48
@@ -40,7 +46,7 @@ def llama_side(request: dict) -> dict:
     import llama_cpp
 
     llm = llama_cpp.Llama(
-        model_path=request["model"], logits_all=True, n_ctx=256, type_k=0, type_v=0, n_threads=1, verbose=False
+        model_path=request["model"], logits_all=True, n_ctx=512, type_k=0, type_v=0, n_threads=1, verbose=False
     )
     ids = request["ids"]
     llm.eval(ids)

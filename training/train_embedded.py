@@ -210,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     print(f"exporting step {best_step} (val_loss {best_val:.4f})", flush=True)
     arrays = model.export_arrays()
-    shapes = {name: a.shape for name, a in arrays.items()}
-    if shapes != expected_shapes(cfg):
-        raise SystemExit(f"tensor layout differs from expected_shapes(): {set(shapes) ^ set(expected_shapes(cfg))}")
+    expected = expected_shapes(cfg)
+    wrong = sorted(n for n in set(arrays) | set(expected) if n not in arrays or arrays[n].shape != expected.get(n))
+    if wrong:
+        raise SystemExit(f"tensors missing, extra or misshaped against expected_shapes(): {wrong}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_model(args.out, cfg, arrays, spec)
     print(f"wrote {args.out} ({args.out.stat().st_size:,} bytes)", flush=True)
