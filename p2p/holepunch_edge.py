@@ -1,0 +1,139 @@
+"""Runs ``p2p.holepunch`` for one endpoint: moves relayed peers to direct paths and back.
+
+Coordination frames go through the relay link (``RelayTap``), punch and keepalive packets through the QUIC socket
+(``EndpointTap``). Every ``tick`` the manager compares the core's view with the endpoint's connections: a direct
+connection that closed is a lost path (``DIRECT -> RELAY``), a connection that the initiator opened to us while we
+answered its punch is a success, and (with ``auto``) every peer still reached through the relay gets a punch
+attempt when its backoff allows. ``Upgraded`` makes the direct connection the one requests use; ``Downgraded``
+closes it, so the endpoint falls back to the relayed connection that stayed open all along.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import structlog
+
+from p2p.holepunch import (
+    PATH_MAGIC,
+    Action,
+    Dial,
+    Downgraded,
+    HolePunch,
+    SendRelay,
+    SendUdp,
+    Upgraded,
+)
+from p2p.identity import PeerId
+from p2p.natwire import Address
+from p2p.paths import PathState
+from p2p.quic import TransportError
+from p2p.reachability import Verdict
+from p2p.udp_edge import EndpointTap, RelayLink, RelayTap
+
+log = structlog.get_logger("p2p.holepunch")
+
+
+class PathManager:
+    """``verdict()`` gives this node's current reachability (``ReachabilityService.verdict``)."""
+
+    def __init__(
+        self,
+        tap: EndpointTap,
+        relay: RelayLink,
+        core: HolePunch,
+        *,
+        verdict: Callable[[], Verdict],
+        auto: bool = True,
+        tick: float = 0.5,
+    ) -> None:
+        self.tap = tap
+        self.core = core
+        self.auto = auto
+        self._verdict = verdict
+        self._tick = tick
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._dials: set[asyncio.Task[None]] = set()
+        self.relay = RelayTap(relay, self._on_relay_frame)
+        tap.on_frames(PATH_MAGIC, self._on_path_packet)
+        self._task = self._loop.create_task(self._run())
+
+    def state(self, peer: PeerId) -> PathState:
+        return self.core.paths.state(peer)
+
+    def upgrade(self, peer: PeerId) -> None:
+        """Try to punch to ``peer`` now (if no session runs and its backoff allows)."""
+        self._perform(self.core.start(peer, self._verdict(), self._loop.time()))
+
+    async def wait_settled(self, peer: PeerId, timeout: float) -> PathState:
+        """The peer's path state once no punch to it runs (or ``TimeoutError``)."""
+        async with asyncio.timeout(timeout):
+            while self.state(peer) is PathState.PUNCHING:
+                await asyncio.sleep(0.05)
+        return self.state(peer)
+
+    async def close(self) -> None:
+        tasks = [self._task, *self._dials]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.relay.detach()
+
+    # --- inputs ---------------------------------------------------------------------------------------------
+
+    def _on_relay_frame(self, src: PeerId, data: bytes) -> None:
+        self._perform(self.core.relay_received(src, data, self._verdict(), self._loop.time()))
+
+    def _on_path_packet(self, data: bytes, addr: Address) -> None:
+        self._perform(self.core.udp_received(data, addr, self._loop.time()))
+
+    async def _run(self) -> None:
+        while True:
+            now = self._loop.time()
+            for peer, addr in self.core.direct().items():
+                if addr not in self.tap.paths(peer):
+                    self._perform(self.core.path_lost(peer, "the direct QUIC connection closed", now))
+            for peer, addrs in self.core.awaiting_connection().items():
+                arrived = next((a for a in self.tap.paths(peer) if a in addrs), None)
+                if arrived is not None:
+                    self._perform(self.core.connected(peer, arrived, now))
+            if self.auto:
+                verdict = self._verdict()
+                for peer in self.tap.relayed_peers():
+                    self._perform(self.core.start(peer, verdict, now))
+            self._perform(self.core.handle_timer(now))
+            at = self.core.get_timer()
+            delay = self._tick if at is None else min(self._tick, max(0.0, at - self._loop.time()))
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._wakeup.wait()
+
+    # --- outputs --------------------------------------------------------------------------------------------
+
+    def _perform(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, SendUdp):
+                self.tap.sendto(action.data, action.addr)
+            elif isinstance(action, SendRelay):
+                self.relay.send(action.peer, action.data)
+            elif isinstance(action, Dial):
+                task = self._loop.create_task(self._dial(action.peer, action.addr))
+                self._dials.add(task)
+                task.add_done_callback(self._dials.discard)
+            elif isinstance(action, Upgraded):
+                self.tap.prefer(action.peer, action.addr)
+            elif isinstance(action, Downgraded):
+                self.tap.close_path(action.peer, action.addr, action.reason)
+        self._wakeup.set()  # every input may have moved the core's timer
+
+    async def _dial(self, peer: PeerId, addr: Address) -> None:
+        try:
+            await self.tap.dial(peer, addr, timeout=self.core.config.dial_timeout)
+        except TransportError as exc:
+            self._perform(self.core.dial_failed(peer, f"{type(exc).__name__}: {exc}", self._loop.time()))
+        else:
+            self._perform(self.core.connected(peer, addr, self._loop.time()))
