@@ -33,6 +33,7 @@ from p2p import wire
 from p2p.discovery import Discovery
 from p2p.identity import PeerId
 from p2p.quic import Endpoint, TransportError
+from p2p.nat import NatTraversal, path_of
 from relay.client import RelayClient, RelayPath, RelayUnavailable, attach
 
 from .hot import HotExperts
@@ -87,9 +88,12 @@ class DispatchStats:
         lat = np.array([r.latency_ms for r in ok]) if ok else np.zeros(1)
         per_peer: dict[str, int] = {}
         per_layer: dict[int, set[str]] = {}
+        paths: dict[str, dict[str, int]] = {}
         for r in ok:
             per_peer[r.peer] = per_peer.get(r.peer, 0) + 1
             per_layer.setdefault(r.layer, set()).add(r.peer)
+            by_path = paths.setdefault(r.peer, {})
+            by_path[r.path] = by_path.get(r.path, 0) + 1
         visits = max(self.tokens_forwarded, 1)
         return {
             "dispatches": len(ok),
@@ -97,6 +101,8 @@ class DispatchStats:
             "local_groups": self.local_groups,
             "per_peer": per_peer,
             "hosts_per_layer": {layer: len(peers) for layer, peers in sorted(per_layer.items())},
+            "paths": paths,
+            "first_path": {peer: next(r.path for r in ok if r.peer == peer) for peer in per_peer},
             "bytes_per_token_per_layer": {
                 "out": round(sum(r.bytes_out for r in ok) / visits, 1),
                 "back": round(sum(r.bytes_back for r in ok) / visits, 1),
@@ -142,6 +148,7 @@ class RemoteMoE:
         self.ledger = ledger  # every verified receipt, and every dispute, is appended (off the hot path)
         self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
         self.relays: dict[str, RelayPath] = {}  # relay URL -> our client there, for NAT-bound hosts
+        self.nat: NatTraversal | None = None  # hole punching towards relayed hosts
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def refresh(self, layers: range) -> None:
@@ -190,6 +197,8 @@ class RemoteMoE:
         if path is None:
             client = RelayClient(self.endpoint.identity, url, expected_relay=host.relay.peer_id)
             path = self.relays[url] = attach(self.endpoint, client)
+            if self.nat is None:  # punch peers behind the first relay to direct paths (one path manager per socket)
+                self.nat = NatTraversal(self.endpoint, self.endpoint.identity, client, initiate=True)
             client.start()
         try:
             await path.client.wait_connected(self.timeout)
@@ -198,6 +207,9 @@ class RemoteMoE:
         return path.address(host.peer_id)
 
     async def close_relays(self) -> None:
+        if self.nat is not None:
+            await self.nat.close()
+            self.nat = None
         for path in self.relays.values():
             path.detach()
             await path.client.close()
@@ -239,13 +251,14 @@ class RemoteMoE:
         data = req.encode()
         self.router.started(host.peer_id)
         t0 = time.perf_counter()
-        ok, reply_len = False, 0
+        ok, reply_len, path = False, 0, host.path
         try:
             try:
                 addr = host.addr or await self._relay_address(host)
                 raw = await self.endpoint.request(addr, host.peer_id, data, timeout=self.timeout)
             except TransportError as exc:
                 raise DispatchFailed(f"{type(exc).__name__}: {exc}") from None
+            path = host.path if host.addr else path_of(self.endpoint, host.peer_id)  # relayed, or punched direct
             reply_len = len(raw)
             try:
                 msg = wire.decode(raw)
@@ -261,12 +274,12 @@ class RemoteMoE:
                 raise DispatchFailed(f"bad partial sums: {exc}") from None
             if not np.isfinite(sums).all():
                 raise DispatchFailed("partial sums are not finite")
-            receipt, stamp = await self._check_receipt(host, req, data, msg, raw)
+            receipt, stamp = await self._check_receipt(host, req, data, msg, raw, path)
             ok = True
         finally:
             latency = (time.perf_counter() - t0) * 1e3
-            self.stats.records.append(DispatchRecord(layer, str(host.peer_id), host.path, n, len(data), reply_len, latency, ok))
-            log.info("dispatch.done", peer=str(host.peer_id), path=host.path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
+            self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok))
+            log.info("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
         compute_ms = msg.compute_us / 1e3
         self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0))
         if self.checker.should_check():
@@ -302,11 +315,13 @@ class RemoteMoE:
         log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=receipt.dispatch_id, layer=layer, max_abs_diff=result.max_abs_diff, min_cosine=result.min_cosine, banned_s=ban)
         return want
 
-    async def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, raw: bytes) -> tuple[Receipt, ReceiptStamp]:
+    async def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, raw: bytes, path: str) -> tuple[Receipt, ReceiptStamp]:
         """Rebuild the receipt the worker signed and check its signature.
 
         The price comes from the worker's DHT record; a worker that re-priced since our cached
-        lookup signs its new price, so on a mismatch the record is fetched again once.
+        lookup signs its new price, so on a mismatch the record is fetched again once. The path
+        is what each side sees of its own connection; in the instant a punched path takes over
+        the two can disagree, so the other path name is tried too.
         """
         ids = np.asarray(req.expert_ids)
         held = ids >= 0
@@ -326,17 +341,18 @@ class RemoteMoE:
             bytes_in=len(data),
             bytes_out=len(raw),
             codec=self.codec.name.lower(),
-            path=host.path,
+            path=path,
             issued_at_us=stamp.issued_at_us,
             price=host.price,
             request_digest=digest(data),
             result_digest=digest(msg.partial),
         )
-        try:
-            verify(receipt, stamp)
-            return receipt, stamp
-        except ReceiptError as exc:
-            first_error = exc
+        for candidate in (receipt, dataclasses.replace(receipt, path="relay" if path == "direct" else "direct")):
+            try:
+                verify(candidate, stamp)
+                return candidate, stamp
+            except ReceiptError as exc:
+                first_error = exc if candidate is receipt else first_error
         invalidate = getattr(self.discovery, "invalidate", None)
         if invalidate:
             invalidate(self.model_digest, req.layer)

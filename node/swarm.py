@@ -22,6 +22,7 @@ from p2p.discovery import CachedDiscovery
 from p2p.identity import Identity
 from p2p.quic import Endpoint
 from p2p.records import HostedSlice, RelayAddress
+from p2p.nat import NatTraversal
 from relay.client import RelayClient, attach
 
 from .backbone import RemoteMoE
@@ -65,14 +66,14 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
     endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram)
     addr = None if opts.relay_only else opts.advertise or f"{opts.listen[0]}:{endpoint.local_addr[1]}"
     ranges = ((store.experts.start, store.experts.stop),)
-    relay_addr, relay_path = None, None
+    relay_addr, relay_path, nat = None, None, None
     if opts.relay:
         relay_path = attach(endpoint, RelayClient(identity, opts.relay))
         relay_path.client.start()
         await relay_path.client.wait_connected(30)
         relay_addr = RelayAddress(opts.relay, relay_path.client.relay_peer)
-        connections = endpoint.connections
-        worker.path_of = lambda peer: "relay" if str((connections().get(peer) or ("",))[0]).startswith("relay:") else "direct"
+        nat = NatTraversal(endpoint, identity, relay_path.client, initiate=False)  # answers backbones' punches
+        worker.path_of = nat.path
 
     def slices(price: int) -> list[HostedSlice]:
         return [HostedSlice(model.digest, layer, ranges, quic_addr=addr, relay=relay_addr, capacity=opts.capacity, price=price) for layer in store.layers]
@@ -115,6 +116,8 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
             log.info("worker.withdrawn", peer=str(identity.peer_id))
         except Exception as exc:  # shutdown goes on; records then expire on their own
             log.warning("worker.withdraw_failed", error=repr(exc))
+        if nat:
+            await nat.close()
         if relay_path:
             relay_path.detach()
             await relay_path.client.close()

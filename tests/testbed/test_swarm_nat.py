@@ -36,7 +36,7 @@ def test_direct_and_relayed_workers_generate_exactly_the_local_text(tmp_path):
     store = ExpertStore(model)
     part = Partition(RANGES)
     ids = Tokenizer.from_spec(model.tokenizer_spec).encode(PROMPT)
-    local = [t for t, _ in generate(Backbone(model), ids, 16, lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))]
+    local = [t for t, _ in generate(Backbone(model), ids, 24, lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))]
     with Testbed(rtt_ms=10) as tb, Cluster(tmp_path) as cluster:
         def start(name, role, *args):
             return cluster.start(name, *args, prefix=tb.exec_prefix(role))
@@ -53,7 +53,7 @@ def test_direct_and_relayed_workers_generate_exactly_the_local_text(tmp_path):
         ]
         infos = [w.wait_ready() for w in workers]
         bb_ip = tb.addr("backbone")
-        out = tb.run("backbone", *cluster_cmd(), "backbone", "generate", *common, "--tokens", "16", "--wait-hosts", "3", "--json",
+        out = tb.run("backbone", *cluster_cmd(), "backbone", "generate", *common, "--tokens", "24", "--wait-hosts", "3", "--json",
                      "--listen", f"{bb_ip}:0", "--dht-listen", f"{bb_ip}:0", "--data-dir", str(tmp_path / "bb"), PROMPT,
                      capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
@@ -61,8 +61,10 @@ def test_direct_and_relayed_workers_generate_exactly_the_local_text(tmp_path):
     assert result["token_ids"] == local
     assert result["failed_dispatches"] == 0 and result["local_groups"] == 0
     assert set(result["per_peer"]) == {i["peer_id"] for i in infos}
-    paths = {i["peer_id"]: ("direct" if i["quic_addr"] else "relay") for i in infos}
-    assert sorted(paths.values()) == ["direct", "relay", "relay"]
+    pub, cone, sym = (i["peer_id"] for i in infos)
+    assert result["paths"][pub] == {"direct": result["per_peer"][pub]}
+    assert result["first_path"][cone] == "relay"
+    assert result["paths"][sym] == {"relay": result["per_peer"][sym]}
 
 
 def cluster_cmd() -> list[str]:

@@ -1,0 +1,78 @@
+"""`moeswarm backbone serve`: an OpenAI-compatible HTTP gateway over the swarm."""
+
+from __future__ import annotations
+
+import asyncio
+
+import click
+import structlog
+
+from experts.codecs import Codec
+from experts.embedded import EMBEDDED_MODEL
+from experts.forward import Backbone
+from experts.gguf_model import GGUFModel
+from experts.tokenizer import Tokenizer
+from p2p.identity import Identity
+
+from .batching import DEFAULT_WINDOW_S, BatchingMoE
+from .cli_model import parse_size
+from .cli_swarm import backbone_group, bootstrap_opt, data_dir_opt, ready_opt
+from .gateway import Engine, Gateway
+from .ledger import FILENAME
+from .prefix_cache import PrefixCache
+from .runtime import data_dir as node_dir, load_identity, parse_hostport, until_stopped, write_ready
+from .swarm import backbone_session, wait_for_hosts
+
+log = structlog.get_logger("node.cli_serve")
+
+
+@backbone_group.command("serve")
+@click.option("--model", "model_path", default=str(EMBEDDED_MODEL), show_default="the embedded model", help="Full model GGUF (the backbone runs its dense part).")
+@bootstrap_opt
+@click.option("--http", "http_addr", default="127.0.0.1:8000", show_default=True, help="HOST:PORT for the OpenAI-compatible API (port 0: any free port).")
+@click.option("--served-model-name", default=None, help="Model id clients must ask for (default: the GGUF file's name without .gguf).")
+@click.option("--wire", default="f32", show_default=True, type=click.Choice(["f32", "f16", "int8"]))
+@click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts before serving.")
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256), help="Sequences decoded concurrently (their MoE layers share dispatches).")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0), help="Requests that may wait for a slot; more get HTTP 429.")
+@click.option("--batch-window-ms", default=DEFAULT_WINDOW_S * 1e3, show_default=True, type=click.FloatRange(0), help="A layer's batch goes without the sequences still computing once none has arrived for this long.")
+@click.option("--prefix-cache", "prefix_cache", default="256M", show_default=True, help="Memory for cached prompt prefixes (keys/values); 0 turns the cache off.")
+@click.option("--no-speculative", is_flag=True, help="Decode greedy requests one token per pass (same output, more round trips).")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds before a host is given up for a dispatch.")
+@click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC.")
+@click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT client.")
+@click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
+@click.option("--spot-check", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Fraction of dispatches re-computed locally to catch wrong answers.")
+@click.option("--max-price", default=None, type=int, help="Never use workers asking more per work unit.")
+@click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
+@data_dir_opt
+@ready_opt
+def serve_cmd(model_path, bootstrap, http_addr, served_model_name, wire, wait_hosts, max_batch, max_queue, batch_window_ms, prefix_cache, no_speculative, timeout, listen, dht_listen, max_datagram, spot_check, max_price, no_ledger, data_dir, ready_file) -> None:
+    """Serve /v1/completions and /v1/chat/completions, batching concurrent requests' dispatches."""
+    model = GGUFModel(model_path)
+    home = node_dir(data_dir, "backbone")
+    session = dict(codec=Codec.parse(wire), timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=spot_check, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME)
+    cache_bytes = parse_size(prefix_cache) if prefix_cache not in ("0", "") else 0
+    options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative)
+    asyncio.run(serve(load_identity(home), model, bootstrap, parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), wait_hosts, session, options, ready_file))
+
+
+async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str, int], name: str, wait_hosts: int, session: dict, options: dict, ready_file: str | None) -> None:
+    """Find the workers, then serve HTTP on this loop until SIGINT/SIGTERM."""
+    tok = Tokenizer.from_spec(model.tokenizer_spec)
+    backbone = Backbone(model)
+    async with backbone_session(identity, model, bootstrap, **session) as remote:
+        await wait_for_hosts(remote, model.layers, wait_hosts, 60)
+        moe = BatchingMoE(remote, model.cfg.n_layer, asyncio.get_running_loop(), window_s=options["window_s"])
+        cache = PrefixCache(options["prefix_bytes"]) if options["prefix_bytes"] else None
+        engine = Engine(backbone, tok, moe, max_batch=options["max_batch"], max_queue=options["max_queue"], prefix_cache=cache, speculative=options["speculative"])
+        gateway = Gateway(engine, name, model.digest)
+        host, port = await gateway.start(*http)
+        try:
+            url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
+            log.info("gateway.ready", url=url, model=name, max_batch=options["max_batch"])
+            write_ready(ready_file, {"role": "gateway", "peer_id": str(identity.peer_id), "http_addr": f"{host}:{port}", "base_url": url, "model": name})
+            await until_stopped()
+        finally:
+            await gateway.close()
+            await asyncio.to_thread(engine.close)

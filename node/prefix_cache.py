@@ -1,0 +1,145 @@
+"""Prefix cache: keys/values of recent sequences, reused when a new prompt starts the same way.
+
+A chat client resends the whole history with one more message; without a cache the
+backbone recomputes (and re-dispatches) every earlier token. Here the KV of each
+finished sequence is kept under its tokens; a new prompt starts from the longest
+common prefix with a cached sequence of the same namespace (a session id, so one
+user's prompts are never timed against another's), and only the rest is prefilled.
+
+Exactness: the forward is batch invariant (:mod:`experts.forward`), so a position's
+keys and values are the same bits whether they were computed in a long prefill, one
+token at a time, or in a speculative verify pass, and resuming from them gives the
+logits a full prefill gives.
+
+Memory is bounded (bytes of KV held); the least recently used entries go first. The
+cache is shared by sequence threads (one lock; copies are made outside it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from experts.forward import Backbone, KVCache, MoeFfn
+
+
+@dataclass
+class _Entry:
+    namespace: str | None
+    tokens: np.ndarray  # int64, one per cached position
+    cache: KVCache
+    nbytes: int
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0  # lookups that reused at least one position
+    reused_tokens: int = 0
+    stored: int = 0
+    evicted: int = 0
+
+    def summary(self, entries: int, nbytes: int) -> dict:
+        return {"lookups": self.lookups, "hits": self.hits, "reused_tokens": self.reused_tokens, "stored": self.stored, "evicted": self.evicted, "entries": entries, "bytes": nbytes}
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class PrefixCache:
+    """LRU of (namespace, tokens) -> KVCache, at most *max_bytes* of keys and values."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.stats = PrefixStats()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._next = 0
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def lookup(self, namespace: str | None, prompt: Sequence[int]) -> KVCache:
+        """A cache holding the longest cached prefix of *prompt* (never all of it: one token is left to feed).
+
+        The result shares arrays with the entry; that is safe because the forward never
+        writes into a cache's arrays, it replaces them (concatenate, slice).
+        """
+        tokens = np.asarray(prompt, dtype=np.int64)
+        with self._lock:
+            self.stats.lookups += 1
+            best, best_n = None, 0
+            for key, e in self._entries.items():
+                if e.namespace == namespace and (n := min(_common_prefix(e.tokens, tokens), len(tokens) - 1)) > best_n:
+                    best, best_n = key, n
+            if best is None:
+                return KVCache()
+            entry = self._entries[best]
+            self._entries.move_to_end(best)
+            self.stats.hits += 1
+            self.stats.reused_tokens += best_n
+            return KVCache([k[:best_n] for k in entry.cache.k], [v[:best_n] for v in entry.cache.v])
+
+    def store(self, namespace: str | None, tokens: Sequence[int], cache: KVCache) -> None:
+        """Keep *cache*'s positions (the first ``cache.n_past`` of *tokens*, prompt then generated) for later prompts."""
+        n = min(cache.n_past, len(tokens))
+        if n == 0:
+            return
+        key_tokens = np.asarray(tokens[:n], dtype=np.int64)
+        compact = KVCache([np.array(k[:n]) for k in cache.k], [np.array(v[:n]) for v in cache.v])
+        nbytes = sum(a.nbytes for a in compact.k + compact.v)
+        if nbytes > self.max_bytes:
+            return
+        with self._lock:
+            for key, e in list(self._entries.items()):
+                if e.namespace != namespace:
+                    continue
+                common = _common_prefix(e.tokens, key_tokens)
+                if common == len(key_tokens):  # already covered by an entry at least as long
+                    self._entries.move_to_end(key)
+                    return
+                if common == len(e.tokens):  # the new one covers this one
+                    self._drop(key)
+            self._entries[self._next] = _Entry(namespace, key_tokens, compact, nbytes)
+            self._next += 1
+            self._bytes += nbytes
+            self.stats.stored += 1
+            while self._bytes > self.max_bytes:
+                self._drop(next(iter(self._entries)))
+                self.stats.evicted += 1
+
+    def _drop(self, key: int) -> None:
+        self._bytes -= self._entries.pop(key).nbytes
+
+    def summary(self) -> dict:
+        with self._lock:
+            return self.stats.summary(len(self._entries), self._bytes)
+
+
+class ResumedBackbone:
+    """The backbone for one request whose prompt's first ``prefix.n_past`` positions are cached.
+
+    :func:`experts.generate.generate` and :func:`experts.speculative.speculative_generate`
+    start from an empty cache and prefill the whole prompt. This stand-in's first forward
+    (that prefill) loads *prefix* into the fresh cache and runs only the rest of the prompt,
+    returning logits for those rows (both generators read only the prefill's last row).
+    Later passes go straight through. ``cache`` is the sequence's cache, for storing it after.
+    """
+
+    def __init__(self, backbone: Backbone, prefix: KVCache) -> None:
+        self.backbone = backbone
+        self.cfg = backbone.cfg
+        self.prefix = prefix
+        self.cache: KVCache | None = None
+
+    def forward(self, tokens: np.ndarray | Sequence[int], cache: KVCache, moe_ffn: MoeFfn) -> np.ndarray:
+        if self.cache is None:
+            self.cache = cache
+            cache.k, cache.v = list(self.prefix.k), list(self.prefix.v)
+            tokens = np.asarray(tokens)[self.prefix.n_past :]
+        return self.backbone.forward(tokens, cache, moe_ffn)
