@@ -302,12 +302,15 @@ class BatchingMoE:
                 out = await asyncio.wrap_future(self.inner.hook(layer, x, ids, w, pins=pins))
             else:
                 out = await self.loop.run_in_executor(None, _call_local, self.inner, layer, x, ids, w)
-        except Exception as exc:  # every waiting sequence gets the failure; none hangs
+        except BaseException as exc:  # every waiting sequence gets the failure, a cancellation too; none hangs
             log.warning("batch.failed", layer=layer, members=len(members), error=repr(exc))
             self._launch(self.core.answered(members, self.loop.time()))
+            err = exc if isinstance(exc, Exception) else RuntimeError(f"layer {layer} dispatch cancelled")
             for c in calls:
-                if not c.future.cancelled():
-                    c.future.set_exception(exc)
+                if not c.future.done():
+                    c.future.set_exception(err)
+            if err is not exc:
+                raise
             return
         log.debug("batch.done", layer=layer, members=len(members), rows=x.shape[0], ms=round((time.perf_counter() - t0) * 1e3, 3))
         if pins is not None:
@@ -318,7 +321,7 @@ class BatchingMoE:
         start = 0
         for c in calls:
             n = c.x.shape[0]
-            if not c.future.cancelled():
+            if not c.future.done():
                 c.future.set_result(out[start : start + n])
             start += n
         self._launch(due)

@@ -10,9 +10,13 @@ and no locks.
   in fewer passes. Sampled requests draw from ``generate``'s distribution with their
   ``seed`` (a fresh one when none is given): the same seed gives the same text, alone
   or batched.
+* Defaults as OpenAI's: temperature 1, top_p 1, max_tokens 16 for completions (chat:
+  the rest of the context). Only n=1; logprobs, echo, suffix, penalties, logit_bias,
+  tools and non-text response formats are refused with a 400 naming the parameter.
 * A repeated prompt prefix (a resent chat history) starts from cached keys/values
-  (:mod:`node.prefix_cache`), scoped to the session; ``usage.prompt_tokens_details.
-  cached_tokens`` says how many positions were reused.
+  (:mod:`node.prefix_cache`), scoped to the session (requests without one share an
+  anonymous scope); ``usage.prompt_tokens_details.cached_tokens`` says how many
+  positions were reused, ``GET /v1/stats`` adds up hits, batching and dispatches.
 * Session id: the ``X-Session-Id`` header, else the request's ``user`` field. It scopes
   the prefix cache and pins the hosts a session's dispatches go to (slot affinity).
 * Chat prompt template (the embedded model has none): one line per message,
