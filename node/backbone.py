@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import os
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ from .routing import Host, Router
 from .spotcheck import SpotChecker, compare
 
 log = structlog.get_logger("node.backbone")
+KEEP_RECENT = 100_000
 
 
 # Slot affinity: (layer, expert range of a group) -> the host that answered it for a session.
@@ -79,7 +81,8 @@ class DispatchRecord:
 
 @dataclass
 class DispatchStats:
-    records: list[DispatchRecord] = field(default_factory=list)
+    # Bounded: a long-running gateway keeps the recent window (the ledger keeps everything).
+    records: deque[DispatchRecord] = field(default_factory=lambda: deque(maxlen=KEEP_RECENT))
     local_groups: int = 0
     tokens_forwarded: int = 0  # token-layer visits of the forward (denominator for bytes per token per layer)
 
@@ -142,8 +145,8 @@ class RemoteMoE:
         self.timeout = timeout
         self.router = Router(n_expert)
         self.stats = DispatchStats()
-        self.receipts: list[Receipt] = []
-        self.disputes: list[Dispute] = []
+        self.receipts: deque[Receipt] = deque(maxlen=KEEP_RECENT)  # recent; the ledger holds them all
+        self.disputes: deque[Dispute] = deque(maxlen=KEEP_RECENT)
         self.checker = SpotChecker(spot_check, spot_seed)
         self.ledger = ledger  # every verified receipt, and every dispute, is appended (off the hot path)
         self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
@@ -305,7 +308,7 @@ class RemoteMoE:
         self.router.ban(host.peer_id, time.monotonic(), ban)
         dispute = Dispute(receipt, result.max_abs_diff, result.min_cosine)
         earlier = [r for r in self.receipts if r.worker == receipt.worker]
-        self.receipts = [r for r in self.receipts if r.worker != receipt.worker]
+        self.receipts = deque((r for r in self.receipts if r.worker != receipt.worker), maxlen=KEEP_RECENT)
         self.disputes += [dispute] + [Dispute(r, float("nan"), float("nan"), caught=False) for r in earlier]
         if self.ledger:
             self.ledger.receipt(receipt, stamp)
