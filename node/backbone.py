@@ -290,6 +290,7 @@ class RemoteMoE:
             if want is not None:
                 return want
         self.receipts.append(receipt)
+        log.info("receipt.accepted", **dataclasses.asdict(receipt))  # the ledger entry's fields, as one event
         if self.ledger:
             self.ledger.receipt(receipt, stamp)
         return sums
