@@ -141,6 +141,16 @@ def record_verdict(digest: str, codec: Codec, verdict: str) -> None:
     os.replace(tmp, p)
 
 
+def is_verified(digest: str, codec: Codec) -> bool:
+    return not codec.lossy or _load().get(digest, {}).get(codec.name.lower(), {}).get("verdict") == "pass"
+
+
+def default_wire(digest: str) -> Codec:
+    """The wire a backbone uses unless told otherwise: F16 (half the bytes) once the model's F16 gate
+    passed, else exact F32."""
+    return Codec.F16 if is_verified(digest, Codec.F16) else Codec.F32
+
+
 def require_verified(digest: str, codec: Codec) -> None:
     """Refuse a lossy codec for a model whose gate has not passed for that codec."""
     if not codec.lossy:

@@ -8,6 +8,7 @@ import click
 import structlog
 
 from experts.codecs import Codec
+from experts.verify import default_wire
 from experts.embedded import EMBEDDED_MODEL
 from experts.forward import Backbone
 from experts.gguf_model import GGUFModel
@@ -31,7 +32,7 @@ log = structlog.get_logger("node.cli_serve")
 @bootstrap_opt
 @click.option("--http", "http_addr", default="127.0.0.1:8000", show_default=True, help="HOST:PORT for the OpenAI-compatible API (port 0: any free port).")
 @click.option("--served-model-name", default=None, help="Model id clients must ask for (default: the GGUF file's name without .gguf).")
-@click.option("--wire", default="f32", show_default=True, type=click.Choice(["f32", "f16", "int8"]))
+@click.option("--wire", default="auto", show_default=True, type=click.Choice(["auto", "f32", "f16", "int8"]), help="auto: f16 once `moeswarm verify --wire f16` passed for the model, else f32.")
 @click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts before serving.")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256), help="Sequences decoded concurrently (their MoE layers share dispatches).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0), help="Requests that may wait for a slot; more get HTTP 429.")
@@ -51,7 +52,8 @@ def serve_cmd(model_path, bootstrap, http_addr, served_model_name, wire, wait_ho
     """Serve /v1/completions and /v1/chat/completions, batching concurrent requests' dispatches."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
-    session = dict(codec=Codec.parse(wire), timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=spot_check, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME)
+    codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
+    session = dict(codec=codec, timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=spot_check, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME)
     cache_bytes = parse_size(prefix_cache) if prefix_cache not in ("0", "") else 0
     options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative)
     asyncio.run(serve(load_identity(home), model, bootstrap, parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), wait_hosts, session, options, ready_file))

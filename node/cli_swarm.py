@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from experts.codecs import Codec
+from experts.verify import default_wire
 from experts.forward import Backbone
 from experts.generate import generate
 from experts.gguf_model import ExpertRange, GGUFModel
@@ -98,7 +99,7 @@ def backbone_group() -> None:
 @bootstrap_opt
 @click.argument("prompt")
 @click.option("--tokens", "n_tokens", default=32, show_default=True)
-@click.option("--wire", default="f32", show_default=True, type=click.Choice(["f32", "f16", "int8"]))
+@click.option("--wire", default="auto", show_default=True, type=click.Choice(["auto", "f32", "f16", "int8"]), help="auto: f16 once `moeswarm verify --wire f16` passed for the model, else f32.")
 @click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts.")
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds before a host is given up for a dispatch.")
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC (use this host's address to reach workers off loopback).")
@@ -115,7 +116,8 @@ def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, time
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     ident = load_identity(home)
-    session = dict(codec=Codec.parse(wire), timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
+    codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
+    session = dict(codec=codec, timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
                    local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None)
     result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json))
     if as_json:

@@ -58,3 +58,17 @@ def test_reference_llamacpp_in_the_json(model_dir, tmp_path):
     assert ref["min_cosine"] >= 0.99999 and ref["argmax_agree"] == 1.0
     assert ref["positions"] == out["remote_vs_local"]["positions"]
     assert {"near_ties_excluded"} <= ref.keys()
+
+
+def test_default_wire_is_f16_only_after_its_gate_passed(model_dir, tmp_path, monkeypatch):
+    """`--wire auto` means f32 until `moeswarm verify --wire f16` passed for the model, then f16."""
+    from experts.verify import default_wire
+
+    monkeypatch.setenv("MOESWARM_HOME", str(tmp_path))
+    path = make_model(model_dir, "qwen3moe", n_expert=16, n_expert_used=4)
+    from experts.gguf_model import GGUFModel
+
+    digest = GGUFModel(path).digest
+    assert default_wire(digest) is Codec.F32
+    rc, _ = verify(str(path), "--wire", "f16", env_home=tmp_path)
+    assert rc == 0 and default_wire(digest) is Codec.F16
