@@ -351,12 +351,13 @@ class RemoteMoE:
             request_digest=digest(data),
             result_digest=digest(msg.partial),
         )
+        first_error: ReceiptError | None = None
         for candidate in (receipt, dataclasses.replace(receipt, path="relay" if path == "direct" else "direct")):
             try:
                 verify(candidate, stamp)
                 return candidate, stamp
             except ReceiptError as exc:
-                first_error = exc if candidate is receipt else first_error
+                first_error = first_error or exc
         invalidate = getattr(self.discovery, "invalidate", None)
         if invalidate:
             invalidate(self.model_digest, req.layer)

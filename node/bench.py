@@ -182,7 +182,6 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
         local_tps = float(np.median([tps for _, tps in local]))
         remote_tps = float(np.median([tps for _, tps in remote]))
         ledger_tps = float(np.median([tps for _, tps in remote_ledger]))
-        local_toks, remote_toks = local[0][0], remote[0][0]
     result = {
         "config": {**REFERENCE, "n_layer": n_layer, "n_expert": n_expert, "qtype": qtype, "max_datagram": max_datagram},
         "machine": f"{platform.machine()}, numpy {np.__version__}, OPENBLAS_NUM_THREADS=1",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import click
@@ -12,15 +11,15 @@ import click
 from experts.codecs import Codec
 from experts.verify import default_wire
 from experts.forward import Backbone
-from experts.generate import generate
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.slices import parse_range
-from experts.tokenizer import StreamDecoder, Tokenizer
+from experts.tokenizer import Tokenizer
 
 from .cli import emit_json, main
 from .cli_model import parse_size
 from .ledger import FILENAME
 from .runtime import data_dir as node_dir, load_identity, parse_hostport
+from .streaming import stream_tokens
 from .swarm import WorkerOptions, backbone_session, run_bootstrap_node, run_worker, wait_for_hosts
 
 bootstrap_opt = click.option("--bootstrap", "bootstrap", multiple=True, help="DHT bootstrap multiaddr /ip4/H/tcp/P/p2p/ID (repeatable).")
@@ -109,9 +108,10 @@ def backbone_group() -> None:
 @click.option("--ledger", "ledger_path", default=None, help="Append every receipt to this ledger (default DATA_DIR/ledger.sqlite).")
 @click.option("--local-experts", default=0, show_default=True, help="Keep this many of each layer's hottest experts local.")
 @click.option("--local-memory", default=None, help="Or: as many hot experts as fit this much RAM, e.g. 2G.")
+@click.option("--speculative/--no-speculative", default=True, show_default=True, help="Verify prompt-lookup drafts in one pass (greedy output unchanged).")
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, speculative, data_dir, as_json) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
@@ -119,32 +119,19 @@ def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, time
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
     session = dict(codec=codec, timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
                    local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None)
-    result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json))
+    result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative))
     if as_json:
         emit_json(result)
 
 
-async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session: dict, *, stream: bool) -> dict:
+async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session: dict, *, stream: bool, speculative: bool) -> dict:
     tok = Tokenizer.from_spec(model.tokenizer_spec)
     bb = Backbone(model)
     async with backbone_session(ident, model, bootstrap, **session) as moe:
         await wait_for_hosts(moe, model.layers, wait_hosts, 60)
-        out = []
-        dec = StreamDecoder(tok)
+        out, elapsed, spec = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative)
         if stream:
-            click.echo(prompt, nl=False)
-
-        def run() -> None:
-            for t, _ in generate(bb, tok.encode(prompt), n_tokens, moe.hook, stop={tok.eos_id}):
-                out.append(t)
-                if stream:
-                    click.echo(dec.push(t), nl=False)
-
-        t0 = time.perf_counter()
-        await asyncio.to_thread(run)
-        elapsed = time.perf_counter() - t0
-        if stream:
-            click.echo(dec.flush())
             click.echo(json.dumps(moe.stats.summary()), err=True)
         hit = round(moe.hot.hit_rate, 4) if moe.hot else 0.0
-        return {"tokens": len(out), "text": tok.decode(out), "token_ids": out, "tokens_per_s": round(len(out) / elapsed, 3), "local_hit_rate": hit, **moe.stats.summary()}
+        extra = {"speculative": spec.summary()} if spec else {}
+        return {"tokens": len(out), "text": tok.decode(out), "token_ids": out, "tokens_per_s": round(len(out) / elapsed, 3), "local_hit_rate": hit, **extra, **moe.stats.summary()}

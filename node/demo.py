@@ -23,13 +23,14 @@ from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
-from experts.tokenizer import StreamDecoder, Tokenizer
+from experts.tokenizer import Tokenizer
 from p2p.identity import Identity
 
 from .cli import emit_json, main
 from .launcher import Cluster
 from .ledger import FILENAME
 from .runtime import data_dir, load_identity
+from .streaming import stream_tokens
 from .swarm import backbone_session, wait_for_hosts
 
 LOOPBACK_DATAGRAM = 16384  # everything runs on loopback: large QUIC datagrams cut per-packet cost (FIELD-NOTES)
@@ -84,22 +85,7 @@ async def _run(model: GGUFModel, part: Partition, bootstrap: str, prompt: str, n
     stop = {tok.eos_id}
     async with backbone_session(identity, model, [bootstrap], codec=codec, max_datagram=LOOPBACK_DATAGRAM, ledger_path=ledger_path) as moe:
         await wait_for_hosts(moe, model.layers, 1, 60)
-        out: list[int] = []
-        dec = StreamDecoder(tok)
-        if stream:
-            click.echo(prompt, nl=False)
-
-        def run() -> None:
-            for t, _ in generate(bb, ids, n_tokens, moe.hook, stop=stop):
-                out.append(t)
-                if stream:
-                    click.echo(dec.push(t), nl=False)
-
-        t0 = time.perf_counter()
-        await asyncio.to_thread(run)
-        elapsed = time.perf_counter() - t0
-        if stream:
-            click.echo(dec.flush())
+        out, elapsed, _ = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream)
         stats = moe.stats.summary()
     store = ExpertStore(model)
     local = [t for t, _ in generate(bb, ids, n_tokens, lambda i, x, e, w: grouped_moe(store, part, i, x, e, w), stop=stop)]

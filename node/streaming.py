@@ -1,0 +1,37 @@
+"""Run a generation on a worker thread and stream its text to the terminal as tokens arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import click
+
+from experts.forward import Backbone, MoeFfn
+from experts.generate import generate
+from experts.speculative import SpecStats, speculative_generate
+from experts.tokenizer import StreamDecoder, Tokenizer
+
+
+async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False) -> tuple[list[int], float, SpecStats | None]:
+    """Generate off the event loop (the MoE hook needs the loop); echo text when *stream*. Returns (tokens, seconds, stats)."""
+    ids = tok.encode(prompt)
+    out: list[int] = []
+    dec = StreamDecoder(tok)
+    stats = SpecStats() if speculative else None
+    steps = speculative_generate(bb, ids, n_tokens, hook, stop={tok.eos_id}, stats=stats) if speculative else generate(bb, ids, n_tokens, hook, stop={tok.eos_id})
+    if stream:
+        click.echo(prompt, nl=False)
+
+    def run() -> None:
+        for t, _ in steps:
+            out.append(t)
+            if stream:
+                click.echo(dec.push(t), nl=False)
+
+    t0 = time.perf_counter()
+    await asyncio.to_thread(run)
+    elapsed = time.perf_counter() - t0
+    if stream:
+        click.echo(dec.flush())
+    return out, elapsed, stats
