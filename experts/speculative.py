@@ -24,20 +24,27 @@ Rejected draft tokens leave keys/values in the cache; :meth:`KVCache.truncate` d
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import io
+import zipfile
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import structlog
 from numpy.lib.stride_tricks import sliding_window_view
 
+from .errors import ModelFormatError
 from .forward import Backbone, KVCache, MoeFfn
 from .generate import Sampling, check_request, probabilities, sample
 from .gguf_model import GGUFModel
 from .moe import ungrouped_moe
 from .slices import ExpertStore
 from .tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
 
 
 class Drafter(Protocol):
@@ -75,6 +82,178 @@ class PromptLookupDrafter:
                 start = int(hits[-1]) + n
                 return context[start : start + k].tolist()
         return []
+
+
+# An n-gram table (``<model>.ngram.npz``, written by training/build_ngram.py) is a zip of .npy arrays,
+# no pickle: format (int, NGRAM_FORMAT), max_order (int), model_digest (str: the model it was built for),
+# keys (uint64, strictly increasing: the context keys of every order together), next (uint16/uint32: the
+# token predicted after each key's context), count (uint16, saturating: how often that token followed).
+NGRAM_FORMAT = 1
+_M64 = (1 << 64) - 1
+
+
+def _mix(key, token):
+    """A context key extended by one older token (splitmix64's finaliser over key + token + 1).
+
+    Folded from the newest token, so one pass yields the keys of all suffixes. Works on
+    Python ints and uint64 arrays alike (numpy wraps), so builder and drafter share it.
+    """
+    x = ((key + token + 1) * 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _top_followers(keys: np.ndarray, follows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per distinct key (ascending): its most frequent follower (ties: the lowest id) and that follower's count."""
+    if not keys.size:
+        return keys, follows, np.zeros(0, np.int64)
+    order = np.lexsort((follows, keys))
+    k, f = keys[order], follows[order]
+    start = np.flatnonzero(np.r_[True, (k[1:] != k[:-1]) | (f[1:] != f[:-1])])
+    k, f, c = k[start], f[start], np.diff(np.r_[start, k.size])
+    best = np.lexsort((f, -c, k))
+    k, f, c = k[best], f[best], c[best]
+    first = np.r_[True, k[1:] != k[:-1]]
+    return k[first], f[first], c[first]
+
+
+@dataclass(frozen=True, eq=False)
+class NgramDrafter:
+    """Drafts from a table of the token that followed each short context, in text a model wrote or read.
+
+    A small model's greedy text is predictable from its last few tokens: its corpus's
+    phrases and loops of its own. propose takes the token of the longest context suffix
+    (up to max_order tokens) the table knows and chains it into the next lookup, up to
+    k tokens or until no suffix is known. Keys are 64-bit hashes: a collision costs a
+    rejected draft at worst.
+    """
+
+    keys: np.ndarray
+    next: np.ndarray
+    count: np.ndarray
+    max_order: int
+    model_digest: str = ""
+
+    @classmethod
+    def build(
+        cls, streams: Iterable[tuple[np.ndarray, np.ndarray | None]], *, max_order: int = 8, min_count: int = 1, model_digest: str = ""
+    ) -> NgramDrafter:
+        """A table from (tokens, follow) streams; follow[i] is the token seen after tokens[: i + 1].
+
+        follow is tokens[1:] (pass None) for plain text, or a model's greedy choice at each
+        position, to mimic the model rather than its corpus. A context of 1..max_order tokens
+        keeps its most frequent follower (ties: the lowest id) if seen min_count times, unless
+        its one-token-shorter suffix, so pruned, predicts the same: back-off finds that anyway.
+        """
+        if not 1 <= max_order <= 64:
+            raise ValueError(f"max_order must be in 1..64, not {max_order}")
+        tokens, follows = [], []
+        for t, f in streams:
+            tokens.append(np.asarray(t, np.uint64))
+            follows.append(np.asarray(t[1:] if f is None else f, np.int64))
+            if len(follows[-1]) != max(len(t) - 1, 0):
+                raise ValueError(f"a stream of {len(t)} tokens needs {max(len(t) - 1, 0)} followers, not {len(follows[-1])}")
+        keys = [np.zeros(len(t), np.uint64) for t in tokens]  # [i]: key of the context ending at token i - 1 + order
+        said = [np.full(len(t), -1) for t in tokens]  # what the pruned table predicts there so far (-1: nothing)
+        kept = []
+        for n in range(1, max_order + 1):
+            keys = [_mix(k[1:], t[: max(len(t) - n, 0)]) for k, t in zip(keys, tokens)]
+            said = [s[1:] for s in said]
+            uk, top, cnt = _top_followers(np.concatenate(keys), np.concatenate([f[n - 1 :] for f in follows]))
+            keep = np.zeros(uk.size, bool)
+            for j, k in enumerate(keys):
+                pos = np.searchsorted(uk, k)
+                new = (cnt[pos] >= min_count) & (top[pos] != said[j])
+                keep[pos[new]] = True
+                said[j] = np.where(new, top[pos], said[j])
+            kept.append((uk[keep], top[keep], cnt[keep]))
+        k, nxt, cnt = (np.concatenate(column) for column in zip(*kept))
+        order = np.argsort(k, kind="stable")
+        if np.any(k[order][1:] == k[order][:-1]):
+            raise ValueError("two contexts of different orders share a key; change _mix")
+        dtype = np.uint16 if nxt.max(initial=0) < 1 << 16 else np.uint32
+        return cls(k[order], nxt[order].astype(dtype), np.minimum(cnt[order], 0xFFFF).astype(np.uint16), max_order, model_digest)
+
+    def save(self, path: str | Path) -> None:
+        """Write the table as an .npz with fixed zip timestamps, so the same table gives the same bytes."""
+        arrays = dict(format=np.int64(NGRAM_FORMAT), max_order=np.int64(self.max_order), model_digest=np.str_(self.model_digest))
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+            for name, a in {**arrays, "keys": self.keys, "next": self.next, "count": self.count}.items():
+                buf = io.BytesIO()
+                np.lib.format.write_array(buf, np.asanyarray(a), allow_pickle=False)
+                z.writestr(zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0)), buf.getvalue(), zipfile.ZIP_DEFLATED)
+
+    @classmethod
+    def load(cls, path: str | Path) -> NgramDrafter:
+        """Read a table written by save; anything else raises ModelFormatError naming the file."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                fmt, max_order, digest = int(z["format"]), int(z["max_order"]), str(z["model_digest"])
+                keys, nxt, cnt = z["keys"], z["next"], z["count"]
+        # (zipfile takes flag bits set by corruption for features it lacks: Runtime/NotImplementedError)
+        except (OSError, ValueError, KeyError, TypeError, EOFError, RuntimeError, NotImplementedError, zipfile.BadZipFile, zlib.error) as e:
+            raise ModelFormatError(f"{path} is not a readable n-gram table ({type(e).__name__}: {e}); rebuild it with training/build_ngram.py") from e
+        if fmt != NGRAM_FORMAT:
+            raise ModelFormatError(f"{path}: n-gram table format {fmt}, this version reads {NGRAM_FORMAT}; rebuild it")
+        columns = keys.dtype == np.uint64 and nxt.dtype in (np.uint16, np.uint32) and cnt.dtype == np.uint16
+        if not (1 <= max_order <= 64 and columns and keys.ndim == 1 and keys.shape == nxt.shape == cnt.shape):
+            raise ModelFormatError(f"{path}: malformed n-gram table (max_order {max_order}; keys, next, count: {keys.dtype}{keys.shape}, {nxt.dtype}{nxt.shape}, {cnt.dtype}{cnt.shape})")
+        if np.any(keys[1:] <= keys[:-1]):
+            raise ModelFormatError(f"{path}: n-gram table keys are not strictly increasing")
+        return cls(keys, nxt, cnt, max_order, digest)
+
+    def propose(self, context: np.ndarray, k: int) -> list[int]:
+        recent = [int(t) for t in context[-self.max_order :]]
+        out: list[int] = []
+        while len(out) < k and self.keys.size:
+            key, keys = 0, []
+            for t in reversed(recent):
+                key = _mix(key, t)
+                keys.append(key)
+            probe = np.array(keys, dtype=np.uint64)
+            pos = np.minimum(np.searchsorted(self.keys, probe), self.keys.size - 1)
+            hits = np.flatnonzero(self.keys[pos] == probe)
+            if not hits.size:
+                break
+            out.append(int(self.next[pos[hits[-1]]]))
+            recent = [*recent, out[-1]][-self.max_order :]
+        return out
+
+
+@dataclass(frozen=True)
+class CombinedDrafter:
+    """Two drafters, one proposal: the first's if it is at least as long as the second's, else the second's.
+
+    Prompt lookup then the embedded model's table (k_max 8, adaptive, 40 held-out
+    prompts): 2.69 tokens per pass; 2.64 taking the first's whenever it has one; the
+    table alone, which knows the model's loops too, 3.13 (what default_drafter picks).
+    """
+
+    first: Drafter
+    second: Drafter
+
+    def propose(self, context: np.ndarray, k: int) -> list[int]:
+        a = list(self.first.propose(context, k))[:k]
+        b = list(self.second.propose(context, k))[:k] if len(a) < k else []
+        return a if len(a) >= len(b) else b
+
+
+def ngram_path(model_path: str | Path) -> Path:
+    """Where a model's n-gram table lives: beside it, ``<name>.ngram.npz``."""
+    return Path(model_path).with_suffix(".ngram.npz")
+
+
+def default_drafter(model: GGUFModel) -> Drafter:
+    """The best drafter at hand for *model*: its n-gram table if one built for this very model lies beside it, else prompt lookup."""
+    path = ngram_path(model.path)
+    if not path.exists():
+        return PromptLookupDrafter()
+    table = NgramDrafter.load(path)
+    if table.model_digest != model.digest:
+        log.warning("speculative.ngram_mismatch", table=str(path), table_model=table.model_digest[:16], model=model.digest[:16])
+        return PromptLookupDrafter()
+    return table
 
 
 @dataclass

@@ -44,7 +44,7 @@ from aiohttp import web
 
 from experts.forward import Backbone
 from experts.generate import Sampling, generate
-from experts.speculative import speculative_generate
+from experts.speculative import default_drafter, speculative_generate
 from experts.tokenizer import StreamDecoder, Tokenizer
 
 from .backbone import Pins, RemoteMoE
@@ -279,6 +279,7 @@ class Engine:
         self.max_queue = max_queue
         self.prefix_cache = prefix_cache
         self.speculative = speculative
+        self.drafter = default_drafter(backbone.model)  # the model's n-gram table when one ships beside it
         self.stats = EngineStats()
         self._slots = asyncio.Semaphore(max_batch)
         self._pool = ThreadPoolExecutor(max_batch, thread_name_prefix="sequence")
@@ -343,7 +344,7 @@ class Engine:
         finish, hit_stop = "length", False
         with self.moe.member(pins) as hook:
             if job.sampling.temperature <= 0 and self.speculative:
-                steps = speculative_generate(bb, prompt, job.max_tokens, hook, sampling=job.sampling, stop={eos})
+                steps = speculative_generate(bb, prompt, job.max_tokens, hook, sampling=job.sampling, stop={eos}, drafter=self.drafter)
             else:
                 steps = generate(bb, prompt, job.max_tokens, hook, sampling=job.sampling, stop={eos})
             try:

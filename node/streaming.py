@@ -9,7 +9,7 @@ import click
 
 from experts.forward import Backbone, MoeFfn
 from experts.generate import generate
-from experts.speculative import SpecStats, speculative_generate
+from experts.speculative import SpecStats, default_drafter, speculative_generate
 from experts.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -19,7 +19,10 @@ async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int
     out: list[int] = []
     dec = StreamDecoder(tok)
     stats = SpecStats() if speculative else None
-    steps = speculative_generate(bb, ids, n_tokens, hook, stop={tok.eos_id}, stats=stats) if speculative else generate(bb, ids, n_tokens, hook, stop={tok.eos_id})
+    if speculative:
+        steps = speculative_generate(bb, ids, n_tokens, hook, stop={tok.eos_id}, stats=stats, drafter=default_drafter(bb.model))
+    else:
+        steps = generate(bb, ids, n_tokens, hook, stop={tok.eos_id})
     if stream:
         click.echo(prompt, nl=False)
 

@@ -4,20 +4,35 @@ from __future__ import annotations
 
 import itertools
 import math
+import shutil
 from collections import Counter
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
+from experts import speculative
 from experts.embedded import EMBEDDED_MODEL
+from experts.errors import ModelFormatError
 from experts.forward import Backbone, KVCache
 from experts.generate import Sampling, generate, probabilities
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe, ungrouped_moe
 from experts.slices import ExpertStore
-from experts.speculative import PromptLookupDrafter, SpecStats, acceptance_stats, next_k, speculative_generate, verify
+from experts.speculative import (
+    CombinedDrafter,
+    NgramDrafter,
+    PromptLookupDrafter,
+    SpecStats,
+    acceptance_stats,
+    default_drafter,
+    next_k,
+    ngram_path,
+    speculative_generate,
+    verify,
+)
 from experts.tokenizer import Tokenizer
 
 from ..conftest import make_model
@@ -316,3 +331,211 @@ def test_acceptance_stats_on_the_embedded_model():
     assert stats.tokens == 40 and stats.prefills == 2
     assert stats.forward_passes == stats.tokens - sum(stats.accepted)
     assert stats.tokens_per_pass > 1
+
+
+# --- the n-gram drafter ----------------------------------------------------------------------------
+
+# "2" is followed by 3 twice and by 4 three times, but "1 2" only ever by 3.
+CORPUS = [1, 2, 3, 1, 2, 3, 9, 2, 4, 9, 2, 4, 7, 2, 4]
+
+
+def ngram(corpus=CORPUS, **kw) -> NgramDrafter:
+    return NgramDrafter.build([(np.array(corpus), None)], **{"max_order": 4, "min_count": 1, **kw})
+
+
+def draft(drafter, context, k):
+    return drafter.propose(np.array(context, dtype=np.int64), k)
+
+
+def test_ngram_longest_known_context_wins():
+    """After "1 2" the bigram's follower (3) is proposed, not the unigram's commoner 4; an unseen "5 2" backs off to "2"."""
+    d = ngram()
+    assert draft(d, [1, 2], 1) == [3]
+    assert draft(d, [5, 2], 1) == [4]
+    assert draft(d, [9, 2], 1) == [4]
+
+
+def test_ngram_chains_its_own_proposals():
+    """Each proposed token joins the context of the next lookup: 1 -> 2 -> 3 -> (1 or 9: a tie, the lower id) 1."""
+    d = ngram()
+    assert draft(d, [1], 4) == [2, 3, 1, 2]
+    assert draft(d, [1], 2) == [2, 3]
+    assert draft(d, [7, 2, 4], 3) == [7, 2, 4]  # "2 4" was followed by 9 once and by 7 once: the lower id
+
+
+def test_ngram_proposes_nothing_for_an_unknown_context():
+    """No suffix of the context was ever followed by anything: no proposal, and none for k = 0 or an empty table."""
+    d = ngram()
+    assert draft(d, [8], 5) == []
+    assert draft(d, [1, 2, 8], 5) == []
+    assert draft(d, [], 5) == []
+    assert draft(d, [1, 2], 0) == []
+    assert draft(ngram([5]), [5], 3) == []
+
+
+def test_ngram_min_count_drops_rare_contexts():
+    """With min_count 3 only "2 -> 4" (seen 3 times) survives: "1 2" backs off to it and "1" is unknown."""
+    d = ngram(min_count=3)
+    assert d.keys.size == 1
+    assert draft(d, [1, 2], 2) == [4]
+    assert draft(d, [1], 2) == []
+
+
+def test_ngram_follow_stream_replaces_the_text():
+    """A (tokens, follow) stream counts follow[i] after tokens[: i + 1]: a model's choices instead of the text."""
+    tokens = np.array([1, 2, 3, 1, 2, 3])
+    d = NgramDrafter.build([(tokens, np.array([2, 5, 1, 2, 5]))], max_order=2, min_count=1)
+    assert draft(d, [1, 2], 1) == [5]
+    with pytest.raises(ValueError, match="needs 5 followers"):
+        NgramDrafter.build([(tokens, np.array([2, 5]))])
+
+
+def reference_proposal(corpus, context, k, max_order, min_count):
+    """Brute force: the top follower (ties: lowest id) of the longest suffix seen min_count times with it, chained."""
+    context, out = list(context), []
+    while len(out) < k:
+        for n in range(min(max_order, len(context)), 0, -1):
+            after = Counter(corpus[i + n] for i in range(len(corpus) - n) if corpus[i : i + n] == context[-n:])
+            if after:
+                tok, count = min(after.items(), key=lambda tc: (-tc[1], tc[0]))
+                if count >= min_count:
+                    break
+        else:
+            return out
+        out.append(tok)
+        context.append(tok)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    corpus=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    context=st.lists(st.integers(0, 4), max_size=6),
+    k=st.integers(0, 5),
+    max_order=st.integers(1, 4),
+    min_count=st.integers(1, 3),
+)
+def test_ngram_pruning_loses_nothing(corpus, context, k, max_order, min_count):
+    """The pruned table proposes exactly what brute-force longest-context back-off over the corpus does."""
+    d = ngram(corpus, max_order=max_order, min_count=min_count)
+    assert draft(d, context, k) == reference_proposal(corpus, context, k, max_order, min_count)
+
+
+def test_ngram_build_refuses_a_key_shared_across_orders(monkeypatch):
+    """If two contexts of different lengths hashed alike, lookups could not tell them apart: the build stops."""
+    monkeypatch.setattr(speculative, "_mix", lambda key, token: key * 0 + token * 0 + 1)  # every context: key 1
+    with pytest.raises(ValueError, match="share a key"):
+        ngram([1, 1, 2])  # "1" is followed by 1 or 2 (a tie: 1), "1 1" by 2: both kept
+
+
+def test_ngram_table_round_trip_is_byte_stable(tmp_path):
+    """save then load gives the same table, and saving the same table twice the same bytes."""
+    d = ngram(model_digest="ab" * 32)
+    d.save(tmp_path / "a.npz")
+    d.save(tmp_path / "b.npz")
+    assert (tmp_path / "a.npz").read_bytes() == (tmp_path / "b.npz").read_bytes()
+    e = NgramDrafter.load(tmp_path / "a.npz")
+    assert e.model_digest == "ab" * 32 and e.max_order == 4
+    for name in ("keys", "next", "count"):
+        assert np.array_equal(getattr(d, name), getattr(e, name)) and getattr(d, name).dtype == getattr(e, name).dtype
+    assert draft(e, [1], 4) == [2, 3, 1, 2]
+
+
+def test_ngram_load_rejects_malformed_tables(tmp_path, monkeypatch):
+    """Not a zip, another format version, unsorted keys, mismatched columns or no order: ModelFormatError naming the file."""
+    good = ngram()
+    (tmp_path / "junk.npz").write_bytes(b"not a table")
+    bad = {
+        "unsorted.npz": NgramDrafter(good.keys[::-1].copy(), good.next, good.count, 4),
+        "columns.npz": NgramDrafter(good.keys, good.next[:-1], good.count, 4),
+        "order.npz": NgramDrafter(good.keys, good.next, good.count, 0),
+    }
+    for name, table in bad.items():
+        table.save(tmp_path / name)
+    monkeypatch.setattr(speculative, "NGRAM_FORMAT", 99)
+    good.save(tmp_path / "version.npz")
+    monkeypatch.undo()
+    for name in ["junk.npz", "version.npz", *bad]:
+        with pytest.raises(ModelFormatError, match=name):
+            NgramDrafter.load(tmp_path / name)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_ngram_load_survives_corrupt_bytes(tmp_path_factory, data):
+    """A truncated or bit-flipped table loads or raises ModelFormatError, never anything else."""
+    path = tmp_path_factory.mktemp("ngram") / "t.npz"
+    ngram(model_digest="d").save(path)
+    raw = bytearray(path.read_bytes())
+    if data.draw(st.booleans()):
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    else:
+        for i in data.draw(st.lists(st.integers(0, len(raw) - 1), min_size=1, max_size=4)):
+            raw[i] ^= 1 << data.draw(st.integers(0, 7))
+    path.write_bytes(bytes(raw))
+    try:
+        table = NgramDrafter.load(path)
+    except ModelFormatError:
+        return
+    assert len(draft(table, [1, 2], 3)) <= 3  # what loads is a usable table
+
+
+def test_combined_drafter_prefers_the_first_unless_shorter():
+    """The first drafter's proposal (cut to k) when at least as long as the second's, else the second's."""
+    assert draft(CombinedDrafter(Fixed([1, 2]), Fixed([3, 4])), [0], 5) == [1, 2]
+    assert draft(CombinedDrafter(Fixed([1]), Fixed([3, 4])), [0], 5) == [3, 4]
+    assert draft(CombinedDrafter(Fixed([1, 2, 3]), Fixed([4, 5, 6, 7])), [0], 2) == [1, 2]
+    assert draft(CombinedDrafter(NoDraft(), Fixed([4, 5, 6, 7])), [0], 3) == [4, 5, 6]
+    assert draft(CombinedDrafter(NoDraft(), NoDraft()), [0], 3) == []
+    both = CombinedDrafter(PromptLookupDrafter(), ngram())
+    assert draft(both, [5, 6, 1, 2, 5, 6], 2) == [1, 2]  # the context repeats itself: copied
+    assert draft(both, [5, 6, 1, 2], 2) == [3, 1]  # no repeat: the table
+    assert draft(both, [1, 2, 5, 2], 3) == [4, 7, 2]  # the context offers only 2 tokens to copy, the table 3
+    assert draft(both, [1, 2, 5, 2], 2) == [5, 2]
+
+
+@pytest.fixture
+def tiny_copy(tiny, tmp_path):
+    """A copy of the tiny model in a directory of its own, so tables written beside it touch nothing else."""
+    path = tmp_path / "tiny.gguf"
+    shutil.copyfile(tiny[0].model.path, path)
+    return GGUFModel(path)
+
+
+def test_default_drafter_uses_a_table_only_for_its_own_model(tiny_copy):
+    """No table: prompt lookup; a table built for this model: the n-gram drafter; one for another model: prompt lookup, with a warning."""
+    model = tiny_copy
+    assert isinstance(default_drafter(model), PromptLookupDrafter)
+    ngram(model_digest=model.digest).save(ngram_path(model.path))
+    assert isinstance(default_drafter(model), NgramDrafter)
+    ngram(model_digest="0" * 64).save(ngram_path(model.path))
+    with capture_logs() as logs:
+        assert isinstance(default_drafter(model), PromptLookupDrafter)
+    assert [e["event"] for e in logs] == ["speculative.ngram_mismatch"]
+
+
+def test_the_embedded_model_ships_its_table():
+    """The table in experts/data was built for the embedded model as it is now (rebuild it after retraining)."""
+    assert isinstance(default_drafter(GGUFModel(EMBEDDED_MODEL)), NgramDrafter)
+
+
+@pytest.mark.parametrize("text", PROMPTS + (REPETITIVE,))
+def test_greedy_output_is_plain_decoding_with_the_ngram_drafter(kjv, text):
+    """Drafting from the shipped n-gram table (alone or with prompt lookup) changes no token and no logit bit."""
+    bb, hook, tok = kjv
+    prompt = tok.encode(text)
+    plain = list(generate(bb, prompt, 40, hook, stop={tok.eos_id}))
+    table = default_drafter(bb.model)
+    for drafter in (table, CombinedDrafter(PromptLookupDrafter(), table)):
+        stats = SpecStats()
+        assert_same(plain, list(speculative_generate(bb, prompt, 40, hook, stop={tok.eos_id}, drafter=drafter, stats=stats)))
+        assert sum(stats.accepted) > 0  # drafts were made and taken, so the check has teeth
+
+
+def test_ngram_drafter_beats_prompt_lookup_on_ordinary_prompts():
+    """On prompts that do not repeat themselves, the n-gram table saves more passes than prompt lookup (a behaviour check, not a speed target)."""
+    table = default_drafter(GGUFModel(EMBEDDED_MODEL))
+    lookup = acceptance_stats(EMBEDDED_MODEL, PROMPTS, 40, drafter=PromptLookupDrafter())
+    ngrams = acceptance_stats(EMBEDDED_MODEL, PROMPTS, 40, drafter=table)
+    assert ngrams.tokens == lookup.tokens  # the same greedy text, so only the pass count differs
+    assert ngrams.tokens_per_pass > lookup.tokens_per_pass
