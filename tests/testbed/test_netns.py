@@ -19,17 +19,10 @@ import pytest
 from node.testbed import DelayDaemonDied, Testbed, list_netns, stale, teardown
 from node.testbed.netns import state_file
 
-
-def _why_skip() -> str | None:
-    if os.geteuid() != 0:
-        return "the testbed needs root (network namespaces, iptables); CI runs as root"
-    for tool in ("ip", "iptables", "iptables-restore"):
-        if shutil.which(tool) is None:
-            return f"the testbed needs `{tool}` (apt-get install -y iproute2 iptables)"
-    return None
+from .conftest import testbed_unavailable
 
 
-pytestmark = [pytest.mark.skipif(_why_skip() is not None, reason=_why_skip() or ""), pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.skipif(testbed_unavailable() is not None, reason=testbed_unavailable() or ""), pytest.mark.timeout(120)]
 
 PORT = 9000
 PY = [sys.executable, "-c"]
@@ -283,6 +276,7 @@ import signal, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job of a shell starts with SIGINT ignored
 from node.logs import configure_logging
 from node.testbed import Testbed
+
 configure_logging("warning")
 with Testbed(rtt_ms=20) as tb:
     print(tb.prefix, flush=True)

@@ -11,7 +11,6 @@ WAN latency (RTT between any two hosts across the WAN).
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
@@ -19,17 +18,10 @@ from node.testbed.punchlab import attempt, make_node, punch_lab
 from p2p.paths import PathState
 from p2p.reachability import NatKind
 
-
-def _why_skip() -> str | None:
-    if os.geteuid() != 0:
-        return "the testbed needs root (network namespaces, iptables); CI runs as root"
-    for tool in ("ip", "iptables", "iptables-restore"):
-        if shutil.which(tool) is None:
-            return f"the testbed needs `{tool}` (apt-get install -y iproute2 iptables)"
-    return None
+from .conftest import testbed_unavailable
 
 
-pytestmark = [pytest.mark.skipif(_why_skip() is not None, reason=_why_skip() or ""), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.skipif(testbed_unavailable() is not None, reason=testbed_unavailable() or ""), pytest.mark.timeout(600)]
 
 ATTEMPTS = int(os.environ.get("MOESWARM_PUNCH_ATTEMPTS", "5"))
 RTT_MS = float(os.environ.get("MOESWARM_PUNCH_RTT_MS", "0"))

@@ -6,8 +6,6 @@ Runs as root in network namespaces (node/testbed); every node is a real process 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
 import pytest
 
@@ -20,10 +18,9 @@ from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.launcher import Cluster
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("iptables"),
-    reason="network namespaces need root, iproute2 and iptables (./dev test installs them as root)",
-)
+from .conftest import testbed_unavailable
+
+pytestmark = pytest.mark.skipif(testbed_unavailable() is not None, reason=testbed_unavailable() or "")
 RANGES = ((0, 11), (11, 21), (21, 32))
 PROMPT = "And God said"
 
