@@ -297,10 +297,8 @@ class RemoteMoE:
 
     async def _spot_check(self, host: Host, layer: int, x, ids, w, held, sums, receipt: Receipt, stamp: ReceiptStamp) -> np.ndarray | None:
         """Re-compute this dispatch locally; on a mismatch dispute the receipt, ban the host, return the right answer."""
-        loop = asyncio.get_running_loop()
         self.checker.checked += 1
-        want, _ = await loop.run_in_executor(None, partial_sum, self.fallback, layer, codecs.roundtrip(self.codec, x), ids, w, held)
-        want = codecs.roundtrip(self.codec, want)
+        want = codecs.roundtrip(self.codec, await self._local(layer, codecs.roundtrip(self.codec, x), ids, w, held))
         result = compare(self.codec, sums, want)
         if result.ok:
             return None
@@ -361,9 +359,10 @@ class RemoteMoE:
         invalidate = getattr(self.discovery, "invalidate", None)
         if invalidate:
             invalidate(self.model_digest, req.layer)
-        fresh = [r for r in await self.discovery.lookup(self.model_digest, req.layer) if r.peer_id == host.peer_id]
+        records = await self.discovery.lookup(self.model_digest, req.layer)
+        fresh = [r for r in records if r.peer_id == host.peer_id]
         if fresh and fresh[0].hosted.price != host.price:
-            self.router.update(req.layer, await self.discovery.lookup(self.model_digest, req.layer))
+            self.router.update(req.layer, records)
             repriced = dataclasses.replace(receipt, price=fresh[0].hosted.price)
             try:
                 verify(repriced, stamp)
