@@ -23,6 +23,20 @@ def _only_testbed(name: str | None) -> str:
     return names[0]
 
 
+def parse_links(items: tuple[str, ...]) -> dict[str, float]:
+    """``("backbone=0", "worker-a=40")`` -> ``{"backbone": 0.0, "worker-a": 40.0}``."""
+    out = {}
+    for item in items:
+        role, sep, ms = item.partition("=")
+        try:
+            out[role.strip()] = float(ms)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise click.BadParameter(f"{item!r}: expected ROLE=MS, e.g. backbone=0", param_hint="--link")
+    return out
+
+
 @main.group("testbed")
 def testbed_group() -> None:
     """Network namespaces with real NAT and WAN latency, for trying the swarm across routers (needs root)."""
@@ -33,14 +47,16 @@ def testbed_group() -> None:
 @click.option("--loss", default=0.0, show_default=True, type=click.FloatRange(0, 100, max_open=True), help="Percent of packets dropped per direction.")
 @click.option("--name", default=None, help="Testbed name (namespaces are msw<NAME>-<role>); random if omitted.")
 @click.option("--routers", default="cone,symmetric", show_default=True, help="NAT kind of each home router, comma-separated (cone|symmetric).")
-def up_cmd(rtt_ms: float, loss: float, name: str | None, routers: str) -> None:
+@click.option("--link", "links", multiple=True, metavar="ROLE=MS", help="This host's share of every round trip through it (default RTT/2), e.g. backbone=0 (repeatable).")
+@click.option("--public-workers", default=1, show_default=True, type=click.IntRange(1, 8), help="Public workers: pub-worker, pub-worker-2, ...")
+def up_cmd(rtt_ms: float, loss: float, name: str | None, routers: str, links: tuple[str, ...], public_workers: int) -> None:
     """Build a testbed and leave it running; prints its namespaces and addresses as JSON."""
     require_root()
     kinds = tuple(r.strip() for r in routers.split(","))
     bad = [k for k in kinds if k not in tuple(Nat)]
     if bad:
         raise TestbedError(f"unknown NAT kind {bad[0]!r}: use cone or symmetric")
-    tb = Testbed(rtt_ms=rtt_ms, loss_pct=loss, name=name, routers=kinds, keep=True).up()
+    tb = Testbed(rtt_ms=rtt_ms, loss_pct=loss, name=name, routers=kinds, keep=True, links=parse_links(links), public_workers=public_workers).up()
     emit_json(tb.describe())
 
 

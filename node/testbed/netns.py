@@ -33,7 +33,7 @@ from typing import Any, Callable
 import structlog
 
 from .errors import DelayDaemonDied, NotRootError, TestbedError
-from .topology import BRIDGE, LAN_IF, PREFIX_RE, SWITCH, WAN_IF, WORKER_IF, Kind, Nat, Plan, describe, iptables_rules, link_commands, new_prefix, normalize_prefix, plan, sysctls
+from .topology import BRIDGE, LAN_IF, PREFIX_RE, SWITCH, WAN_IF, WORKER_IF, Kind, Nat, Plan, describe, iptables_rules, link_commands, link_delays, new_prefix, normalize_prefix, plan, sysctls
 
 log = structlog.get_logger("node.testbed")
 
@@ -218,20 +218,24 @@ class Testbed:
     """A running testbed. ``with Testbed(rtt_ms=80) as tb:`` builds it and always removes it.
 
     `rtt_ms` is the round trip added between any two hosts that talk across the WAN (RTT/2 on each WAN ingress);
-    `loss_pct` is the share of packets each WAN ingress drops. `keep=True` leaves it up after this process exits
-    (``moeswarm testbed up``); otherwise removal also runs at interpreter exit.
+    `links` overrides that per host ({role: ms}; a round trip between A and B costs link(A) + link(B), see
+    ``topology``); `loss_pct` is the share of packets each WAN ingress drops; `public_workers` > 1 adds public
+    workers ``pub-worker-2``... `keep=True` leaves it up after this process exits (``moeswarm testbed up``);
+    otherwise removal also runs at interpreter exit.
     """
 
     __test__ = False  # not a pytest test class despite the name
 
-    def __init__(self, rtt_ms: float = 0.0, loss_pct: float = 0.0, name: str | None = None, routers: tuple[Nat | str, ...] = (Nat.CONE, Nat.SYMMETRIC), keep: bool = False):
+    def __init__(self, rtt_ms: float = 0.0, loss_pct: float = 0.0, name: str | None = None, routers: tuple[Nat | str, ...] = (Nat.CONE, Nat.SYMMETRIC), keep: bool = False, links: dict[str, float] | None = None, public_workers: int = 1):
         if rtt_ms < 0 or not 0 <= loss_pct < 100:
             raise TestbedError(f"need rtt_ms >= 0 and 0 <= loss_pct < 100, got {rtt_ms} and {loss_pct}")
         self.rtt_ms = float(rtt_ms)
         self.loss_pct = float(loss_pct)
         self.keep = keep
         self._random_name = name is None
-        self.plan: Plan = plan(normalize_prefix(name) if name else new_prefix(), tuple(Nat(r) for r in routers))
+        self.plan: Plan = plan(normalize_prefix(name) if name else new_prefix(), tuple(Nat(r) for r in routers), public_workers)
+        self.links = dict(links or {})
+        self.delays = link_delays(self.plan, self.rtt_ms, self.links)  # one-way ms per WAN ingress
         self.delay_pids: dict[str, int] = {}
         self._procs: list[subprocess.Popen] = []
         self._sockets: list[socket.socket] = []
@@ -241,16 +245,20 @@ class Testbed:
     def prefix(self) -> str:
         return self.plan.prefix
 
-    @property
-    def delayed(self) -> bool:
-        return self.rtt_ms > 0 or self.loss_pct > 0
+    def delayed(self, role: str) -> bool:
+        """Does `role`'s WAN ingress go through a delay daemon?"""
+        return self.delays.get(role, 0.0) > 0 or (self.loss_pct > 0 and role in self.delays)
+
+    def rtt(self, a: str, b: str) -> float:
+        """The round trip the testbed adds between roles `a` and `b` (workers: their router's link), in ms."""
+        return sum(self.delays[h.behind or h.role] for h in (self.plan.host(a), self.plan.host(b)))
 
     @classmethod
     def attach(cls, name: str) -> Testbed:
         """The testbed `name` that is already up (e.g. from ``moeswarm testbed up``), to run things in it."""
         prefix = normalize_prefix(name)
         state = read_state(prefix)
-        tb = cls(state["rtt_ms"], state["loss_pct"], prefix, tuple(state["routers"]), keep=True)
+        tb = cls(state["rtt_ms"], state["loss_pct"], prefix, tuple(state["routers"]), keep=True, links=state.get("links"), public_workers=state.get("public_workers", 1))
         tb.delay_pids = dict(state["delay_pids"])
         tb._up = True
         return tb
@@ -277,7 +285,7 @@ class Testbed:
             self.down()
             raise
         self._save_state(owned=not self.keep)
-        log.info("testbed.up", name=self.prefix, rtt_ms=self.rtt_ms, loss_pct=self.loss_pct)
+        log.info("testbed.up", name=self.prefix, rtt_ms=self.rtt_ms, loss_pct=self.loss_pct, links=self.links)
         return self
 
     def down(self) -> None:
@@ -308,8 +316,9 @@ class Testbed:
     def _save_state(self, owned: bool) -> None:
         owner = [os.getpid(), _start_time(os.getpid())] if owned else None
         _write_state(self.prefix, {
-            "name": self.prefix, "owner": owner, "rtt_ms": self.rtt_ms, "loss_pct": self.loss_pct,
+            "name": self.prefix, "owner": owner, "rtt_ms": self.rtt_ms, "loss_pct": self.loss_pct, "links": self.links,
             "routers": [str(h.nat) for h in self.plan.hosts if h.kind is Kind.ROUTER],
+            "public_workers": sum(1 for h in self.plan.hosts if h.role.startswith("pub-worker")),
             "namespaces": self.plan.namespaces, "delay_pids": self.delay_pids,
         })  # fmt: skip
 
@@ -329,10 +338,9 @@ class Testbed:
                 self._veth(p.netns(h.behind), LAN_IF, p.netns(h.role), WORKER_IF)
         for h in p.hosts:
             _run(["ip", "-n", p.netns(h.role), "-batch", "-"], stdin="\n".join(link_commands(h)) + "\n")
-        if self.delayed:
-            self._start_delay_daemons()
+        self._start_delay_daemons()
         for h in p.hosts:
-            rules = iptables_rules(h, self.delayed)
+            rules = iptables_rules(h, self.delayed(h.role))
             if rules:
                 _run(["ip", "netns", "exec", p.netns(h.role), "iptables-restore"], stdin=rules)
 
@@ -345,10 +353,10 @@ class Testbed:
         logs.mkdir(parents=True, exist_ok=True)
         starting: dict[str, subprocess.Popen] = {}
         for h in self.plan.hosts:
-            if not h.on_wan:
+            if not self.delayed(h.role):
                 continue
             cmd = [*self.exec_prefix(h.role), sys.executable, "-m", "node.testbed.delayd",
-                   "--delay-ms", repr(self.rtt_ms / 2), "--loss", repr(self.loss_pct / 100)]  # fmt: skip
+                   "--delay-ms", repr(self.delays[h.role]), "--loss", repr(self.loss_pct / 100)]  # fmt: skip
             with open(logs / f"{h.role}.delayd.log", "ab") as err:
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
             self._procs.append(proc)
@@ -406,4 +414,4 @@ class Testbed:
             raise DelayDaemonDied(f"delay daemon gone on the WAN link of {', '.join(dead)}: those links drop every packet")
 
     def describe(self) -> dict:
-        return {**describe(self.plan), "rtt_ms": self.rtt_ms, "loss_pct": self.loss_pct, "delay_pids": dict(self.delay_pids)}
+        return {**describe(self.plan), "rtt_ms": self.rtt_ms, "link_delay_ms": self.delays, "loss_pct": self.loss_pct, "delay_pids": dict(self.delay_pids)}

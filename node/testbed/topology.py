@@ -10,10 +10,12 @@ next packet to a different port.
 NAT kinds: ``cone`` is plain MASQUERADE (keeps the source port: endpoint-independent mapping, address-and-port-
 dependent filtering); ``symmetric`` is ``MASQUERADE --random-fully`` (a new random port per destination).
 
-Latency: every namespace with a WAN link delays the packets *arriving* on ``wan`` by RTT/2 (raw PREROUTING, so the
-packet waits before conntrack or NAT ever sees it and the NAT's behaviour is that of a real slow link). A round trip
-between any two WAN-side hosts, or hosts behind routers, crosses two such ingresses: RTT/2 + RTT/2. Loss is per
-ingress, i.e. per direction.
+Latency: every namespace with a WAN link delays the packets *arriving* on ``wan`` by its link's delay (raw
+PREROUTING, so the packet waits before conntrack or NAT ever sees it and the NAT's behaviour is that of a real slow
+link). A round trip between two WAN-side hosts (or hosts behind routers) crosses both their ingresses once, so it
+costs link(A) + link(B): with every link at RTT/2 any pair is RTT apart; giving the backbone a 0 ms link and workers
+20/40/80 ms puts those workers 20/40/80 ms away from it (and a relay at 0 ms next to it, as a provider's edge would
+be). Loss is per ingress, i.e. per direction.
 """
 
 from __future__ import annotations
@@ -109,19 +111,45 @@ def router_role(i: int) -> str:
     return f"router-{chr(ord('a') + i)}"
 
 
-def plan(prefix: str, routers: tuple[Nat, ...] = (Nat.CONE, Nat.SYMMETRIC)) -> Plan:
-    """The standard topology: the four public hosts, then one router with one worker behind it per entry of `routers`."""
+def public_worker_role(i: int) -> str:
+    """``pub-worker``, then ``pub-worker-2``, ``pub-worker-3``..."""
+    return "pub-worker" if i == 0 else f"pub-worker-{i + 1}"
+
+
+def plan(prefix: str, routers: tuple[Nat, ...] = (Nat.CONE, Nat.SYMMETRIC), public_workers: int = 1) -> Plan:
+    """The standard topology: the four public hosts (plus `public_workers` - 1 more public workers), then one router
+    with one worker behind it per entry of `routers`."""
     if not PREFIX_RE.match(prefix):
         raise TestbedError(f"bad testbed prefix {prefix!r}: expected msw<1-10 of [0-9a-z]>-")
     if not 1 <= len(routers) <= 26:
         raise TestbedError(f"a testbed has 1 to 26 routers, not {len(routers)}")
+    if not 1 <= public_workers <= 8:
+        raise TestbedError(f"a testbed has 1 to 8 public workers, not {public_workers}")
     hosts = [Host(SWITCH, Kind.SWITCH)]
     hosts += [Host(role, Kind.PUBLIC, addr=f"{WAN_NET}.{10 + i}") for i, role in enumerate(PUBLIC_ROLES)]
+    hosts += [Host(public_worker_role(i), Kind.PUBLIC, addr=f"{WAN_NET}.{20 + i}") for i in range(1, public_workers)]
     for i, nat in enumerate(routers):
         lan = f"10.231.{i + 1}"
         hosts.append(Host(router_role(i), Kind.ROUTER, addr=f"{WAN_NET}.{101 + i}", lan_addr=f"{lan}.1", nat=Nat(nat)))
         hosts.append(Host(f"worker-{chr(ord('a') + i)}", Kind.WORKER, addr=f"{lan}.2", gateway=f"{lan}.1", behind=router_role(i)))
     return Plan(prefix, tuple(hosts))
+
+
+def link_delays(p: Plan, rtt_ms: float, links: dict[str, float] | None = None) -> dict[str, float]:
+    """One-way ingress delay in ms per WAN-side role: RTT/2 each, except the roles `links` names (see the module doc).
+
+    A worker's role stands for its router's link (the only WAN link on its way)."""
+    out = {h.role: rtt_ms / 2 for h in p.hosts if h.on_wan}
+    for role, ms in (links or {}).items():
+        host = p.host(role)
+        if host.kind is Kind.WORKER:
+            host = p.host(host.behind)
+        if not host.on_wan:
+            raise TestbedError(f"{role!r} has no WAN link to delay (give a public host, router or worker)")
+        if ms < 0:
+            raise TestbedError(f"link delay of {role} must be >= 0 ms, not {ms}")
+        out[host.role] = float(ms)
+    return out
 
 
 def link_commands(host: Host) -> list[str]:

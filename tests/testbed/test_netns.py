@@ -217,6 +217,21 @@ def test_delay_gives_at_least_the_configured_round_trip():
     assert min(samples) >= 0.040
 
 
+def test_per_link_delays_set_each_pairs_round_trip():
+    """With the backbone's link at 0 ms and workers' at 20/80 ms, each worker is that far from it, and 100 ms from each other."""
+    with Testbed(rtt_ms=0, links={"backbone": 0, "pub-worker": 20, "pub-worker-2": 80}, public_workers=2) as tb:
+        assert sorted(tb.delay_pids) == ["pub-worker", "pub-worker-2"]  # no daemon where nothing is delayed
+        echo, far = Echo(tb, "backbone"), Echo(tb, "pub-worker-2")
+        near, other = udp(tb, "pub-worker"), udp(tb, "pub-worker-2")
+        to_near = [rtt(near, echo) for _ in range(5)]
+        to_far = [rtt(other, echo) for _ in range(5)]
+        between = [rtt(near, far) for _ in range(5)]
+        echo.close()
+        far.close()
+        assert tb.rtt("backbone", "pub-worker-2") == 80 and tb.rtt("pub-worker", "pub-worker-2") == 100
+    assert 0.020 <= min(to_near) < 0.080 <= min(to_far) and min(between) >= 0.100
+
+
 def test_killed_delay_daemon_stops_its_link():
     """With router-a's delay daemon killed, nothing reaches worker-a (no bypass) and check() says so; other links still work."""
     with Testbed(rtt_ms=20) as tb:

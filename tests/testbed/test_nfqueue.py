@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 
 from node.testbed.errors import NetlinkError, NetlinkFormatError, TestbedError
 from node.testbed.nfqueue import Ack, DelayLine, Packet, QueueMsg, Verdict, batch_verdict, bind_request, params_request, parse, verdict
-from node.testbed.topology import Kind, Nat, iptables_rules, link_commands, normalize_prefix, plan
+from node.testbed.topology import Kind, Nat, iptables_rules, link_commands, link_delays, normalize_prefix, plan
 
 
 def kernel_packet(queue: int, packet_id: int, extra_attrs: bytes = b"") -> bytes:
@@ -134,6 +134,20 @@ def test_router_rules_filter_like_a_home_router():
     assert iptables_rules(p.host("pub-relay"), False) is None
     assert iptables_rules(p.host("worker-a"), True) is None
     assert [h.kind for h in p.hosts].count(Kind.PUBLIC) == 4
+
+
+def test_link_delays_default_to_half_the_rtt_and_take_per_host_overrides():
+    """Each WAN ingress gets RTT/2 unless named; a worker's entry sets its router's link; bad entries are refused."""
+    p = plan("mswab12-", public_workers=3)
+    assert [h.role for h in p.hosts if h.role.startswith("pub-worker")] == ["pub-worker", "pub-worker-2", "pub-worker-3"]
+    delays = link_delays(p, 80, {"backbone": 0, "pub-worker-3": 80, "worker-a": 10})
+    assert delays["backbone"] == 0 and delays["pub-worker-3"] == 80 and delays["router-a"] == 10
+    assert delays["pub-relay"] == delays["router-b"] == 40 and "worker-a" not in delays and "inet" not in delays
+    for bad in ({"inet": 1}, {"nope": 1}, {"backbone": -1}):
+        with pytest.raises(TestbedError):
+            link_delays(p, 80, bad)
+    with pytest.raises(TestbedError):
+        plan("mswab12-", public_workers=0)
 
 
 def test_normalize_prefix():
