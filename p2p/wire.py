@@ -86,6 +86,11 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Self
 
+from .wire_fields import (
+    MAX_MESSAGE, BadCodec, ErrorCode, InvalidField, ProtocolError, Reader, TooLarge, Truncated, UnsupportedVersion, as_wire, bytes_field,
+    count_field, enum_field, int_field, set_frozen,
+)  # fmt: skip
+
 __all__ = [
     "DIGEST_LEN", "DISPATCH_ID_LEN", "HEADER_LEN", "MAGIC", "MAX_ERROR_TEXT", "MAX_MESSAGE", "MAX_MODELS",
     "MAX_RECEIPT", "MAX_TOKENS", "MAX_TOP_K", "MODEL_ID_LEN", "SUPPORTED_VERSIONS", "VERSION", "ZERO_ID", "BadCodec",
@@ -104,7 +109,6 @@ DIGEST_LEN = 32
 MODEL_ID_LEN = 16
 ZERO_ID = bytes(DISPATCH_ID_LEN)
 
-MAX_MESSAGE = 64 * 1024 * 1024  # header included
 MAX_TOKENS = 4096
 MAX_TOP_K = 64
 MAX_ERROR_TEXT = 1024  # UTF-8 bytes
@@ -142,158 +146,9 @@ class Role(IntEnum):
     WORKER = 2
 
 
-class ErrorCode(IntEnum):
-    """Why a request was refused (0 reserved)."""
-
-    MALFORMED = 1
-    UNSUPPORTED_VERSION = 2
-    UNKNOWN_MODEL = 3
-    NOT_HOSTED = 4
-    BAD_CODEC = 5
-    TOO_LARGE = 6
-    OVERLOADED = 7
-    INTERNAL = 8
-
-
-class ProtocolError(ValueError):
-    """A message breaks this protocol. ``field`` names the part at fault; ``error_code`` is the code to answer with.
-
-    Raised by ``decode`` when a peer sends such bytes, and by the constructors when local code builds such a value.
-    """
-
-    error_code: ClassVar[ErrorCode] = ErrorCode.MALFORMED
-
-    def __init__(self, field: str, detail: str) -> None:
-        super().__init__(f"{field}: {detail}")
-        self.field = field
-        self.detail = detail
-
-
-class Truncated(ProtocolError):
-    """The data ends inside ``field``."""
-
-
-class InvalidField(ProtocolError):
-    """``field`` holds a value the protocol forbids, or one that disagrees with another field."""
-
-
-class BadCodec(InvalidField):
-    """A payload claims a codec this side does not know."""
-
-    error_code = ErrorCode.BAD_CODEC
-
-
-class TooLarge(ProtocolError):
-    """``field`` exceeds a hard limit; ``size`` and ``limit`` say by how much."""
-
-    error_code = ErrorCode.TOO_LARGE
-
-    def __init__(self, field: str, size: int, limit: int) -> None:
-        super().__init__(field, f"{size} exceeds the limit of {limit}")
-        self.size = size
-        self.limit = limit
-
-
-class UnsupportedVersion(ProtocolError):
-    """A message (or a peer's Hello) uses only protocol versions this side does not speak."""
-
-    error_code = ErrorCode.UNSUPPORTED_VERSION
-
-
-# --- field checks, shared by the constructors and the decoder -------------------------------------------------------
-
-
-def _set(obj: object, name: str, value: object) -> None:
-    object.__setattr__(obj, name, value)  # normalise a field of a frozen dataclass in __post_init__
-
-
-def _int(field: str, value: object, lo: int, hi: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidField(field, f"expected an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise InvalidField(field, f"{value} is outside [{lo}, {hi}]")
-    return value
-
-
-def _count(field: str, value: object, lo: int, limit: int) -> int:
-    """A count or length: above ``limit`` is too large, below ``lo`` (or not an integer) is malformed."""
-    if isinstance(value, int) and value > limit:
-        raise TooLarge(field, value, limit)
-    return _int(field, value, lo, limit)
-
-
-def _bytes(field: str, value: object, lo: int, limit: int) -> bytes:
-    if not isinstance(value, (bytes, bytearray, memoryview)):
-        raise InvalidField(field, f"expected bytes, got {type(value).__name__}")
-    value = bytes(value)
-    if lo == limit and len(value) != lo:
-        raise InvalidField(field, f"must be {lo} bytes, got {len(value)}")
-    _count(field, len(value), lo, limit)
-    return value
-
-
-def _enum(enum: type[IntEnum], field: str, value: object, error: type[InvalidField] = InvalidField) -> IntEnum:
-    try:
-        return enum(value)
-    except ValueError:
-        raise error(field, f"{value!r} is not a known {enum.__name__}") from None
-
-
-def _as_wire(field: str, code: str, values: object) -> tuple:
-    """``values`` exactly as they will decode from a little-endian array of struct type ``code`` (e.g. f32-rounded)."""
-    values = tuple(values)  # type: ignore[arg-type]
-    fmt = f"<{len(values)}{code}"
-    try:
-        return struct.unpack(fmt, struct.pack(fmt, *values))
-    except (struct.error, OverflowError) as exc:
-        raise InvalidField(field, f"does not fit the wire type ({exc})") from None
-
-
 def _check_total(message: _Message) -> None:
     if message.encoded_len() > MAX_MESSAGE:
         raise TooLarge("message", message.encoded_len(), MAX_MESSAGE)
-
-
-class _Reader:
-    """Reads a body front to back; every read checks that its bytes are present before slicing."""
-
-    __slots__ = ("_view", "_pos")
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._pos = 0
-
-    def _advance(self, n: int, field: str) -> int:
-        start = self._pos
-        left = len(self._view) - start
-        if n > left:
-            raise Truncated(field, f"needs {n} bytes, {left} left")
-        self._pos = start + n
-        return start
-
-    def bytes(self, n: int, field: str) -> bytes:
-        start = self._advance(n, field)
-        return bytes(self._view[start : start + n])
-
-    def int(self, fmt: struct.Struct, field: str) -> int:
-        return fmt.unpack_from(self._view, self._advance(fmt.size, field))[0]
-
-    def sized(self, len_fmt: struct.Struct, lo: int, limit: int, field: str) -> bytes:
-        """A length-prefixed byte string, its length checked against ``lo`` and ``limit`` before slicing."""
-        return self.bytes(_count(field, self.int(len_fmt, field), lo, limit), field)
-
-    def array(self, code: str, count: int, field: str) -> tuple:
-        fmt = struct.Struct(f"<{count}{code}")
-        return fmt.unpack_from(self._view, self._advance(fmt.size, field))
-
-    def rest(self, lo: int, field: str) -> bytes:
-        """The body's remaining bytes: a last field without a length prefix (``body_len`` already bounds it)."""
-        return self.bytes(_count(field, len(self._view) - self._pos, lo, MAX_MESSAGE), field)
-
-    def finish(self) -> None:
-        left = len(self._view) - self._pos
-        if left:
-            raise InvalidField("body", f"{left} bytes after the last field")
 
 
 class _Message:
@@ -329,18 +184,18 @@ class _Capabilities(_Message):
     models: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
-        _set(self, "role", _enum(Role, "role", self.role))
-        _set(self, "versions", self._small_ints("versions", self.versions, 1))
-        _set(self, "codecs", self._small_ints("codecs", self.codecs, 0))
+        set_frozen(self, "role", enum_field(Role, "role", self.role))
+        set_frozen(self, "versions", self._small_ints("versions", self.versions, 1))
+        set_frozen(self, "codecs", self._small_ints("codecs", self.codecs, 0))
         models = tuple(self.models)
-        _count("models", len(models), 0, MAX_MODELS)
-        _set(self, "models", tuple(_bytes("models", m, DIGEST_LEN, DIGEST_LEN) for m in models))
+        count_field("models", len(models), 0, MAX_MODELS)
+        set_frozen(self, "models", tuple(bytes_field("models", m, DIGEST_LEN, DIGEST_LEN) for m in models))
 
     @staticmethod
     def _small_ints(field: str, values: object, lo: int) -> tuple[int, ...]:
         values = tuple(values)  # type: ignore[arg-type]
-        _count(field, len(values), 1, 255)
-        return tuple(int(_int(field, v, lo, 255)) for v in values)
+        count_field(field, len(values), 1, 255)
+        return tuple(int(int_field(field, v, lo, 255)) for v in values)
 
     def _body_parts(self) -> tuple[bytes, ...]:
         lists = (len(self.versions), *self.versions, len(self.codecs), *self.codecs, len(self.models))
@@ -350,11 +205,11 @@ class _Capabilities(_Message):
         return 4 + len(self.versions) + len(self.codecs) + DIGEST_LEN * len(self.models)
 
     @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        role = _enum(Role, "role", r.int(_U8, "role"))
-        versions = r.array("B", _count("versions", r.int(_U8, "versions"), 1, 255), "versions")
-        codecs = r.array("B", _count("codecs", r.int(_U8, "codecs"), 1, 255), "codecs")
-        n_models = _count("models", r.int(_U8, "models"), 0, MAX_MODELS)
+    def _decode(cls, r: Reader) -> Self:
+        role = enum_field(Role, "role", r.int(_U8, "role"))
+        versions = r.array("B", count_field("versions", r.int(_U8, "versions"), 1, 255), "versions")
+        codecs = r.array("B", count_field("codecs", r.int(_U8, "codecs"), 1, 255), "codecs")
+        n_models = count_field("models", r.int(_U8, "models"), 0, MAX_MODELS)
         return cls(role, versions, codecs, tuple(r.bytes(DIGEST_LEN, "models") for _ in range(n_models)))
 
 
@@ -390,21 +245,21 @@ class DispatchRequest(_Message):
     hidden: bytes  # last on the wire: the rest of the body
 
     def __post_init__(self) -> None:
-        _set(self, "dispatch_id", _bytes("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
-        _set(self, "model_id", _bytes("model_id", self.model_id, MODEL_ID_LEN, MODEL_ID_LEN))
-        _int("layer", self.layer, 0, 0xFFFF)
-        _set(self, "codec", _enum(Codec, "codec", self.codec, BadCodec))
-        _count("n_tokens", self.n_tokens, 1, MAX_TOKENS)
-        _count("top_k", self.top_k, 1, MAX_TOP_K)
+        set_frozen(self, "dispatch_id", bytes_field("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
+        set_frozen(self, "model_id", bytes_field("model_id", self.model_id, MODEL_ID_LEN, MODEL_ID_LEN))
+        int_field("layer", self.layer, 0, 0xFFFF)
+        set_frozen(self, "codec", enum_field(Codec, "codec", self.codec, BadCodec))
+        count_field("n_tokens", self.n_tokens, 1, MAX_TOKENS)
+        count_field("top_k", self.top_k, 1, MAX_TOP_K)
         slots = self.n_tokens * self.top_k
-        _set(self, "expert_ids", self._check_experts(self.expert_ids, self.top_k, slots))
-        _set(self, "router_weights", self._check_weights(self.router_weights, slots))
-        _set(self, "hidden", _bytes("hidden", self.hidden, 1, MAX_MESSAGE))
+        set_frozen(self, "expert_ids", self._check_experts(self.expert_ids, self.top_k, slots))
+        set_frozen(self, "router_weights", self._check_weights(self.router_weights, slots))
+        set_frozen(self, "hidden", bytes_field("hidden", self.hidden, 1, MAX_MESSAGE))
         _check_total(self)
 
     @staticmethod
     def _check_experts(values: object, top_k: int, slots: int) -> tuple[int, ...]:
-        ids = _as_wire("expert_ids", "h", values)
+        ids = as_wire("expert_ids", "h", values)
         if len(ids) != slots:
             raise InvalidField("expert_ids", f"{len(ids)} ids for n_tokens*top_k = {slots} slots")
         if min(ids) < -1:
@@ -417,7 +272,7 @@ class DispatchRequest(_Message):
 
     @staticmethod
     def _check_weights(values: object, slots: int) -> tuple[float, ...]:
-        weights = _as_wire("router_weights", "f", values)
+        weights = as_wire("router_weights", "f", values)
         if len(weights) != slots:
             raise InvalidField("router_weights", f"{len(weights)} weights for n_tokens*top_k = {slots} slots")
         for i, w in enumerate(weights):
@@ -440,13 +295,13 @@ class DispatchRequest(_Message):
         return self._FIXED + 6 * len(self.expert_ids) + len(self.hidden)
 
     @classmethod
-    def _decode(cls, r: _Reader) -> Self:
+    def _decode(cls, r: Reader) -> Self:
         dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
         model_id = r.bytes(MODEL_ID_LEN, "model_id")
         layer = r.int(_U16, "layer")
-        codec = _enum(Codec, "codec", r.int(_U8, "codec"), BadCodec)
-        top_k = _count("top_k", r.int(_U8, "top_k"), 1, MAX_TOP_K)
-        n_tokens = _count("n_tokens", r.int(_U16, "n_tokens"), 1, MAX_TOKENS)
+        codec = enum_field(Codec, "codec", r.int(_U8, "codec"), BadCodec)
+        top_k = count_field("top_k", r.int(_U8, "top_k"), 1, MAX_TOP_K)
+        n_tokens = count_field("n_tokens", r.int(_U16, "n_tokens"), 1, MAX_TOKENS)
         expert_ids = r.array("h", n_tokens * top_k, "expert_ids")
         router_weights = r.array("f", n_tokens * top_k, "router_weights")
         hidden = r.rest(1, "hidden")
@@ -468,12 +323,12 @@ class DispatchReply(_Message):
     receipt: bytes = b""
 
     def __post_init__(self) -> None:
-        _set(self, "dispatch_id", _bytes("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
-        _set(self, "codec", _enum(Codec, "codec", self.codec, BadCodec))
-        _count("n_tokens", self.n_tokens, 1, MAX_TOKENS)
-        _set(self, "partial", _bytes("partial", self.partial, 1, MAX_MESSAGE))
-        _int("compute_us", self.compute_us, 0, 0xFFFFFFFF)
-        _set(self, "receipt", _bytes("receipt", self.receipt, 0, MAX_RECEIPT))
+        set_frozen(self, "dispatch_id", bytes_field("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
+        set_frozen(self, "codec", enum_field(Codec, "codec", self.codec, BadCodec))
+        count_field("n_tokens", self.n_tokens, 1, MAX_TOKENS)
+        set_frozen(self, "partial", bytes_field("partial", self.partial, 1, MAX_MESSAGE))
+        int_field("compute_us", self.compute_us, 0, 0xFFFFFFFF)
+        set_frozen(self, "receipt", bytes_field("receipt", self.receipt, 0, MAX_RECEIPT))
         _check_total(self)
 
     def _body_parts(self) -> tuple[bytes, ...]:
@@ -488,10 +343,10 @@ class DispatchReply(_Message):
         return self._FIXED + len(self.partial) + len(self.receipt)
 
     @classmethod
-    def _decode(cls, r: _Reader) -> Self:
+    def _decode(cls, r: Reader) -> Self:
         dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
-        codec = _enum(Codec, "codec", r.int(_U8, "codec"), BadCodec)
-        n_tokens = _count("n_tokens", r.int(_U16, "n_tokens"), 1, MAX_TOKENS)
+        codec = enum_field(Codec, "codec", r.int(_U8, "codec"), BadCodec)
+        n_tokens = count_field("n_tokens", r.int(_U16, "n_tokens"), 1, MAX_TOKENS)
         compute_us = r.int(_U32, "compute_us")
         receipt = r.sized(_U16, 0, MAX_RECEIPT, "receipt")
         partial = r.rest(1, "partial")
@@ -509,12 +364,12 @@ class ErrorReply(_Message):
     message: str
 
     def __post_init__(self) -> None:
-        _set(self, "dispatch_id", _bytes("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
-        _set(self, "code", _enum(ErrorCode, "code", self.code))
+        set_frozen(self, "dispatch_id", bytes_field("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
+        set_frozen(self, "code", enum_field(ErrorCode, "code", self.code))
         if not isinstance(self.message, str):
             raise InvalidField("message", f"expected str, got {type(self.message).__name__}")
         try:
-            _count("message", len(self.message.encode()), 0, MAX_ERROR_TEXT)
+            count_field("message", len(self.message.encode()), 0, MAX_ERROR_TEXT)
         except UnicodeEncodeError:
             raise InvalidField("message", "is not encodable as UTF-8") from None
 
@@ -526,9 +381,9 @@ class ErrorReply(_Message):
         return DISPATCH_ID_LEN + 3 + len(self.message.encode())
 
     @classmethod
-    def _decode(cls, r: _Reader) -> Self:
+    def _decode(cls, r: Reader) -> Self:
         dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
-        code = _enum(ErrorCode, "code", r.int(_U8, "code"))
+        code = enum_field(ErrorCode, "code", r.int(_U8, "code"))
         try:
             message = r.sized(_U16, 0, MAX_ERROR_TEXT, "message").decode()
         except UnicodeDecodeError:
@@ -544,8 +399,8 @@ class _Echo(_Message):
     sent_at_us: int
 
     def __post_init__(self) -> None:
-        _int("nonce", self.nonce, 0, 2**64 - 1)
-        _int("sent_at_us", self.sent_at_us, 0, 2**64 - 1)
+        int_field("nonce", self.nonce, 0, 2**64 - 1)
+        int_field("sent_at_us", self.sent_at_us, 0, 2**64 - 1)
 
     def _body_parts(self) -> tuple[bytes, ...]:
         return (struct.pack("<QQ", self.nonce, self.sent_at_us),)
@@ -554,7 +409,7 @@ class _Echo(_Message):
         return 16
 
     @classmethod
-    def _decode(cls, r: _Reader) -> Self:
+    def _decode(cls, r: Reader) -> Self:
         return cls(r.int(_U64, "nonce"), r.int(_U64, "sent_at_us"))
 
 
@@ -585,11 +440,11 @@ class Unknown(_Message):
     flags: int = 0
 
     def __post_init__(self) -> None:
-        _int("msg_type", self.msg_type, 0, 255)
+        int_field("msg_type", self.msg_type, 0, 255)
         if self.msg_type in _TYPES:
             raise InvalidField("msg_type", f"{MsgType(self.msg_type).name} is a known type")
-        _int("flags", self.flags, 0, 0xFFFF)
-        _set(self, "body", _bytes("body", self.body, 0, MAX_MESSAGE - HEADER_LEN))
+        int_field("flags", self.flags, 0, 0xFFFF)
+        set_frozen(self, "body", bytes_field("body", self.body, 0, MAX_MESSAGE - HEADER_LEN))
 
     @property
     def TYPE(self) -> int:  # type: ignore[override]  # noqa: N802 - the per-instance counterpart of the class constant
@@ -655,7 +510,7 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         return Unknown(header.msg_type, bytes(body), header.flags)
     if header.flags:
         raise InvalidField("flags", f"{header.flags:#06x} set on {cls.__name__}; no flag is defined")
-    reader = _Reader(body)
+    reader = Reader(body)
     message = cls._decode(reader)
     reader.finish()
     return message
@@ -678,7 +533,7 @@ def peek_dispatch_id(data: bytes | bytearray | memoryview) -> bytes:
 
 def model_id_of(digest: bytes) -> bytes:
     """The ``model_id`` a DispatchRequest carries for the model with this 32-byte sha256 digest: its first 16 bytes."""
-    return _bytes("digest", digest, DIGEST_LEN, DIGEST_LEN)[:MODEL_ID_LEN]
+    return bytes_field("digest", digest, DIGEST_LEN, DIGEST_LEN)[:MODEL_ID_LEN]
 
 
 def error_reply_for(exc: BaseException, dispatch_id: bytes = ZERO_ID) -> ErrorReply:
