@@ -12,7 +12,7 @@ way, so a relay carries the very same QUIC packets. ``send`` must not call ``dat
 (aioquic clients drop packets from any address but the one dialled; servers follow a peer to a new address.)
 
 Authentication. aioquic 1.7.2's TLS can request a client certificate but has no public switch for it
-(``tls.Context._request_client_certificate``, "for test purposes only"; aiortc/aioquic#541). ``_AuthQuicConnection``
+(``tls.Context._request_client_certificate``, "for test purposes only"; aiortc/aioquic#541). ``AuthQuicConnection`` (``p2p.quic_aioquic``)
 sets it on the server side; both sides present a ``p2p.tls`` certificate and TLS proves each holds its certificate
 key (CertificateVerify). aioquic checks no chain (``CERT_NONE``: there is no CA); when it reports the handshake
 complete we run ``p2p.tls.verify_certificate`` before reading one stream byte: the client against the peer id it
@@ -37,27 +37,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import ipaddress
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from enum import IntEnum
-from types import MethodType
 from typing import Any
 
-import aioquic.quic.stream
-import aioquic.tls
 import structlog
 from aioquic.buffer import Buffer
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
-from cryptography.hazmat.primitives.serialization import Encoding
 
 from p2p.identity import Identity, PeerId
+from p2p.quic_aioquic import AuthQuicConnection
 from p2p.tls import PeerCertificateError, make_certificate, verify_certificate
 
 Address = tuple[str, int]
@@ -120,84 +116,6 @@ class RemoteError(TransportError):
         self.code = code
 
 
-def _load_pristine_get_frame() -> Callable[..., Any]:
-    """aioquic's own ``QuicStreamSender.get_frame``, from a fresh copy of its module.
-
-    Importing libp2p replaces ``QuicStreamSender.get_frame`` for the whole process
-    (libp2p/transport/quic/aioquic_compat.py), possibly before this module is imported; re-executing aioquic's
-    source gives the unpatched function whatever the import order.
-    """
-    path = aioquic.quic.stream.__file__
-    spec = importlib.util.spec_from_file_location("aioquic.quic._moeswarm_pristine_stream", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot reload aioquic's stream module from {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.QuicStreamSender.get_frame
-
-
-def _check_aioquic_internals() -> None:
-    """Fail at import, not mid-handshake, if aioquic no longer has the private hooks we rely on."""
-    hooks = ("_initialize", "_write_crypto_frame", "_write_stream_frame", "_write_stream_limits")
-    missing = [name for name in hooks if not hasattr(QuicConnection, name)]
-    names = aioquic.tls.Context.__init__.__code__.co_names
-    wanted = ("_request_client_certificate", "_peer_certificate", "_peer_certificate_chain")
-    missing += [name for name in wanted if name not in names]
-    if missing:
-        raise ImportError(f"aioquic {aioquic.__version__} lacks {missing}; p2p.quic needs aioquic 1.7.2")
-
-
-_check_aioquic_internals()
-_GET_FRAME = _load_pristine_get_frame()
-
-
-def _pin_get_frame(sender: Any) -> None:
-    if "get_frame" not in sender.__dict__:
-        sender.get_frame = MethodType(_GET_FRAME, sender)
-
-
-class _AuthQuicConnection(QuicConnection):
-    """A ``QuicConnection`` whose server requests a client certificate, whose streams ignore monkey-patches, and
-    whose stream receive windows stop at ``window_cap``."""
-
-    def __init__(self, *, window_cap: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.window_cap = window_cap
-
-    def _initialize(self, peer_cid: bytes) -> None:
-        super()._initialize(peer_cid)
-        self.tls._request_client_certificate = not self._is_client
-
-    def _write_crypto_frame(self, builder: Any, space: Any, stream: Any) -> bool:
-        _pin_get_frame(stream.sender)
-        return super()._write_crypto_frame(builder, space, stream)
-
-    def _write_stream_frame(self, builder: Any, space: Any, stream: Any, max_offset: int) -> int:
-        _pin_get_frame(stream.sender)
-        return super()._write_stream_frame(builder, space, stream, max_offset)
-
-    def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
-        """aioquic doubles a stream's window whenever the peer reaches half of it, without end, and fills holes
-        in out-of-order data with zeros: a hostile peer could make it allocate ever larger buffers. A window of
-        max_message + 1 bytes is all a message needs (the extra byte reveals an oversized one)."""
-        receiver, window = stream.receiver, stream.max_stream_data_local
-        if not (window and receiver.highest_offset * 2 > window and window * 2 > self.window_cap):
-            return super()._write_stream_limits(builder, space, stream)
-        stream.max_stream_data_local = max(window, self.window_cap)
-        highest, receiver.highest_offset = receiver.highest_offset, 0  # keeps aioquic from doubling the cap
-        try:
-            super()._write_stream_limits(builder, space, stream)
-        finally:
-            receiver.highest_offset = highest
-
-    def peer_certificates(self) -> list[bytes]:
-        """The DER certificates the peer presented in the handshake (leaf first)."""
-        leaf = self.tls._peer_certificate
-        if leaf is None:
-            return []
-        return [c.public_bytes(Encoding.DER) for c in [leaf, *self.tls._peer_certificate_chain]]
-
-
 @dataclass(eq=False)
 class _Call:
     """A request we sent, waiting for its reply."""
@@ -217,7 +135,7 @@ class _Serve:
 
 @dataclass(eq=False)
 class _Conn:
-    quic: _AuthQuicConnection
+    quic: AuthQuicConnection
     ready: asyncio.Future[None]  # resolves once the peer's certificate is verified
     expected: PeerId | None = None  # the peer id we dialled (None: the peer dialled us)
     peer: PeerId | None = None  # the verified peer id
@@ -447,7 +365,7 @@ class Endpoint:
         await asyncio.shield(conn.ready)
         return conn
 
-    def _new_conn(self, quic: _AuthQuicConnection, expected: PeerId | None) -> _Conn:
+    def _new_conn(self, quic: AuthQuicConnection, expected: PeerId | None) -> _Conn:
         conn = _Conn(quic=quic, ready=self._loop.create_future(), expected=expected)
         conn.ready.add_done_callback(_retrieve)
         self._conns.add(conn)
@@ -455,7 +373,7 @@ class Endpoint:
         return conn
 
     def _dial(self, addr: Address, peer_id: PeerId) -> _Conn:
-        quic = _AuthQuicConnection(configuration=self._configs[True], window_cap=self.max_message + 1)
+        quic = AuthQuicConnection(configuration=self._configs[True], window_cap=self.max_message + 1)
         conn = self._new_conn(quic, peer_id)
         self._dialing[(peer_id, addr)] = conn
         conn.quic.connect(addr, now=self._loop.time())
@@ -463,7 +381,7 @@ class Endpoint:
         return conn
 
     def _accept(self, original_cid: bytes) -> _Conn:
-        quic = _AuthQuicConnection(
+        quic = AuthQuicConnection(
             configuration=self._configs[False],
             original_destination_connection_id=original_cid,
             window_cap=self.max_message + 1,

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from p2p import quic, tls
+from p2p.quic_aioquic import AuthQuicConnection
 from p2p.identity import Identity, PeerId
 from p2p.quic import Endpoint, ErrorCode
 
@@ -320,14 +321,14 @@ def test_peer_refuses_request_above_its_max_message() -> None:
 def test_receive_windows_stop_at_max_message(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream's receive window grows to max_message + 1 and no further (aioquic alone doubles it without end)."""
     windows: list[int] = []
-    write_limits = quic._AuthQuicConnection._write_stream_limits
+    write_limits = AuthQuicConnection._write_stream_limits
 
-    def recording(self: quic._AuthQuicConnection, builder: Any, space: Any, stream: Any) -> None:
+    def recording(self: AuthQuicConnection, builder: Any, space: Any, stream: Any) -> None:
         write_limits(self, builder, space, stream)
         if not self.configuration.is_client:
             windows.append(stream.max_stream_data_local)
 
-    monkeypatch.setattr(quic._AuthQuicConnection, "_write_stream_limits", recording)
+    monkeypatch.setattr(AuthQuicConnection, "_write_stream_limits", recording)
     payload = os.urandom(1_400_000)
 
     async def scenario() -> None:

@@ -1,0 +1,96 @@
+"""The aioquic 1.7.2 adapter under :mod:`p2p.quic`: a ``QuicConnection`` that authenticates both sides and
+bounds what a peer can make it buffer, plus the import-time checks of the private hooks this needs.
+
+Kept apart from the endpoint so every reliance on aioquic internals sits in one short file (see the pitfalls in
+:mod:`p2p.quic`'s docstring and FIELD-NOTES): the server's client-certificate switch, the unpatched
+``QuicStreamSender.get_frame`` (libp2p replaces it process-wide), and the stream-window cap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import MethodType
+from typing import Any
+
+import aioquic.quic.stream
+import aioquic.tls
+from aioquic.quic.connection import QuicConnection
+from cryptography.hazmat.primitives.serialization import Encoding
+
+
+def _load_pristine_get_frame() -> Callable[..., Any]:
+    """aioquic's own ``QuicStreamSender.get_frame``, from a fresh copy of its module.
+
+    Importing libp2p replaces ``QuicStreamSender.get_frame`` for the whole process
+    (libp2p/transport/quic/aioquic_compat.py), possibly before this module is imported; re-executing aioquic's
+    source gives the unpatched function whatever the import order.
+    """
+    path = aioquic.quic.stream.__file__
+    spec = importlib.util.spec_from_file_location("aioquic.quic._moeswarm_pristine_stream", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot reload aioquic's stream module from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.QuicStreamSender.get_frame
+
+
+def _check_aioquic_internals() -> None:
+    """Fail at import, not mid-handshake, if aioquic no longer has the private hooks we rely on."""
+    hooks = ("_initialize", "_write_crypto_frame", "_write_stream_frame", "_write_stream_limits")
+    missing = [name for name in hooks if not hasattr(QuicConnection, name)]
+    names = aioquic.tls.Context.__init__.__code__.co_names
+    wanted = ("_request_client_certificate", "_peer_certificate", "_peer_certificate_chain")
+    missing += [name for name in wanted if name not in names]
+    if missing:
+        raise ImportError(f"aioquic {aioquic.__version__} lacks {missing}; p2p.quic needs aioquic 1.7.2")
+
+
+_check_aioquic_internals()
+_GET_FRAME = _load_pristine_get_frame()
+
+
+def _pin_get_frame(sender: Any) -> None:
+    if "get_frame" not in sender.__dict__:
+        sender.get_frame = MethodType(_GET_FRAME, sender)
+
+
+class AuthQuicConnection(QuicConnection):
+    """A ``QuicConnection`` whose server requests a client certificate, whose streams ignore monkey-patches, and
+    whose stream receive windows stop at ``window_cap``."""
+
+    def __init__(self, *, window_cap: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.window_cap = window_cap
+
+    def _initialize(self, peer_cid: bytes) -> None:
+        super()._initialize(peer_cid)
+        self.tls._request_client_certificate = not self._is_client
+
+    def _write_crypto_frame(self, builder: Any, space: Any, stream: Any) -> bool:
+        _pin_get_frame(stream.sender)
+        return super()._write_crypto_frame(builder, space, stream)
+
+    def _write_stream_frame(self, builder: Any, space: Any, stream: Any, max_offset: int) -> int:
+        _pin_get_frame(stream.sender)
+        return super()._write_stream_frame(builder, space, stream, max_offset)
+
+    def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
+        """aioquic doubles a stream's window whenever the peer reaches half of it, without end, and fills holes
+        in out-of-order data with zeros: a hostile peer could make it allocate ever larger buffers. A window of
+        max_message + 1 bytes is all a message needs (the extra byte reveals an oversized one)."""
+        receiver, window = stream.receiver, stream.max_stream_data_local
+        if not (window and receiver.highest_offset * 2 > window and window * 2 > self.window_cap):
+            return super()._write_stream_limits(builder, space, stream)
+        stream.max_stream_data_local = max(window, self.window_cap)
+        highest, receiver.highest_offset = receiver.highest_offset, 0  # keeps aioquic from doubling the cap
+        try:
+            super()._write_stream_limits(builder, space, stream)
+        finally:
+            receiver.highest_offset = highest
+
+    def peer_certificates(self) -> list[bytes]:
+        """The DER certificates the peer presented in the handshake (leaf first)."""
+        leaf = self.tls._peer_certificate
+        if leaf is None:
+            return []
+        return [c.public_bytes(Encoding.DER) for c in [leaf, *self.tls._peer_certificate_chain]]
