@@ -79,12 +79,18 @@ class DispatchRecord:
     at: float = field(default_factory=time.monotonic)
 
 
+def _p50(xs: list[float]) -> float:
+    return round(float(np.median(xs)), 3)
+
+
 @dataclass
 class DispatchStats:
     # Bounded: a long-running gateway keeps the recent window (the ledger keeps everything).
     records: deque[DispatchRecord] = field(default_factory=lambda: deque(maxlen=KEEP_RECENT))
     local_groups: int = 0
     tokens_forwarded: int = 0  # token-layer visits of the forward (denominator for bytes per token per layer)
+    # (remote hosts asked, wall ms) per layer dispatch: a star fan-out should take ~ its slowest round trip, not the sum
+    layers: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=KEEP_RECENT))
 
     def summary(self) -> dict:
         ok = [r for r in self.records if r.ok]
@@ -111,7 +117,16 @@ class DispatchStats:
                 "back": round(sum(r.bytes_back for r in ok) / visits, 1),
             },
             "rtt_ms": {"p50": round(float(np.percentile(lat, 50)), 3), "p99": round(float(np.percentile(lat, 99)), 3)},
+            "rtt_ms_by_peer": {peer: _p50([r.latency_ms for r in ok if r.peer == peer]) for peer in per_peer},
+            "layer_ms": self.layer_summary(),
         }
+
+    def layer_summary(self) -> dict:
+        """Median wall time of a layer's dispatch, overall and by how many remote hosts it fanned out to."""
+        by_fanout: dict[int, list[float]] = {}
+        for fanout, ms in self.layers:
+            by_fanout.setdefault(fanout, []).append(ms)
+        return {"p50": _p50([ms for _, ms in self.layers]) if self.layers else None, "by_fanout": {n: {"p50": _p50(xs), "n": len(xs)} for n, xs in sorted(by_fanout.items())}}
 
 
 class RemoteMoE:
@@ -151,7 +166,7 @@ class RemoteMoE:
         self.ledger = ledger  # every verified receipt, and every dispute, is appended (off the hot path)
         self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
         self.relays: dict[str, RelayPath] = {}  # relay URL -> our client there, for NAT-bound hosts
-        self.nat: NatTraversal | None = None  # hole punching towards relayed hosts
+        self.nat: NatTraversal | None = None  # reachability and hole punching towards relayed hosts (backbone_session)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def refresh(self, layers: range) -> None:
@@ -170,6 +185,7 @@ class RemoteMoE:
 
     async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None) -> np.ndarray:
         """*pins*, if given, steers each group to the host pinned for it (while that host is ready) and records the host that answered."""
+        t0 = time.perf_counter()
         if layer not in self.router.routes:
             await self.refresh(range(layer, layer + 1))
         part = self.router.routes[layer].partition
@@ -185,7 +201,14 @@ class RemoteMoE:
             rows = is_hot.any(axis=1)
             present.append(rows)
             jobs.append((len(groups), rows, self._local(layer, x[rows], ids[rows], w[rows], is_hot[rows])))
-        results = await asyncio.gather(*(job for _, _, job in jobs))
+        remote = len(jobs) - int(is_hot.any())
+        # Start the slowest round trip first: the layer ends with its slowest answer, which must not queue behind the
+        # other sends (tasks run in creation order until their first await, i.e. until their request is on the wire).
+        now = time.monotonic()
+        expected = [self.router.expected_ms(layer, g, now) if g < len(groups) else 0.0 for g, _, _ in jobs]
+        tasks = {j: asyncio.ensure_future(jobs[j][2]) for j in sorted(range(len(jobs)), key=lambda j: -expected[j])}
+        results = await asyncio.gather(*(tasks[j] for j in range(len(jobs))))
+        self.stats.layers.append((remote, (time.perf_counter() - t0) * 1e3))
         partials = [(np.zeros_like(x), rows) for rows in present]
         for (g, rows, _), sums in zip(jobs, results):
             partials[g][0][rows] = sums
@@ -200,13 +223,18 @@ class RemoteMoE:
         if path is None:
             client = RelayClient(self.endpoint.identity, url, expected_relay=host.relay.peer_id)
             path = self.relays[url] = attach(self.endpoint, client)
-            if self.nat is None:  # punch peers behind the first relay to direct paths (one path manager per socket)
-                self.nat = NatTraversal(self.endpoint, self.endpoint.identity, client, initiate=True)
+            if self.nat is not None:  # punch peers behind the first relay to direct paths (one path manager per socket)
+                self.nat.attach_relay(client, initiate=True)
             client.start()
         try:
             await path.client.wait_connected(self.timeout)
         except RelayUnavailable as exc:
             raise DispatchFailed(f"relay {url} unreachable: {exc}") from None
+        if self.nat is not None and self.nat.manager is not None:
+            # Punch now, beside this relayed dispatch (coordination goes over the relay link, not the QUIC
+            # connection), rather than at the path manager's next look at relayed peers; a no-op while a punch
+            # runs, after a success, or during the peer's backoff.
+            self.nat.manager.upgrade(host.peer_id)
         return path.address(host.peer_id)
 
     async def close_relays(self) -> None:

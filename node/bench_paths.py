@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import click
 
-from experts.embedded import EMBEDDED_MODEL
+from experts.embedded import DEFAULT_PROMPT
 
 from .bench import _append_md, bench_group
 from .cli import emit_json
@@ -37,32 +35,27 @@ def punch_stats(rtt_ms: float, attempts: int) -> dict:
     return {"punch": out, "upgrade_ms_median": round(statistics.median(upgrades), 1) if upgrades else None}
 
 
-def path_throughput(rtt_ms: float, n_tokens: int, workdir: Path) -> dict:
-    """The same generation with every expert on one worker: once dialled directly, once behind a symmetric NAT via the relay."""
+def path_throughput(rtt_ms: float, n_tokens: int, workdir: Path, relay_link_ms: float) -> dict:
+    """The same generation with every expert on one worker `rtt_ms` away from the backbone: once dialled directly,
+    once behind a symmetric NAT through the relay. `relay_link_ms` places the relay: 0 is next to the backbone (a
+    provider's edge, as a CDN would put it), rtt_ms / 2 is mid-WAN (each relayed round trip crosses the WAN twice)."""
     from .testbed.netns import Testbed
+    from .testbed.nodes import SwarmInTestbed
 
+    links = {"backbone": 0.0, "pub-relay": relay_link_ms, "pub-worker": rtt_ms, "worker-b": rtt_ms}
     results = {}
-    with Testbed(rtt_ms=rtt_ms) as tb, Cluster(workdir) as cluster:
-        def start(name, role, *args):
-            return cluster.start(name, *args, prefix=tb.exec_prefix(role))
-
-        boot = start("bootstrap", "pub-bootstrap", "bootstrap", "--listen", f"{tb.addr('pub-bootstrap')}:4001").wait_ready()["dht_addrs"][0]
-        url = start("relay", "pub-relay", "relay", "--listen", f"{tb.addr('pub-relay')}:8080").wait_ready()["url"]
-        common = ("--model", str(EMBEDDED_MODEL), "--bootstrap", boot)
-        for path, role, extra in (("direct", "pub-worker", ("--listen", f"{tb.addr('pub-worker')}:4433", "--dht-listen", f"{tb.addr('pub-worker')}:0")),
-                                  ("relay", "worker-b", ("--relay", url, "--relay-only", "--dht-listen", f"{tb.addr('worker-b')}:0"))):
-            worker = start(f"worker-{path}", role, "worker", *common, *extra)
+    with Testbed(rtt_ms=rtt_ms, links=links) as tb, Cluster(workdir) as cluster:
+        swarm = SwarmInTestbed(tb, cluster)
+        swarm.start_bootstrap()
+        swarm.start_relay()
+        for path, role in (("direct", "pub-worker"), ("relay", "worker-b")):
+            worker = swarm.start_worker(f"worker-{path}", role, relayed=path == "relay")
             worker.wait_ready()
-            bb = tb.addr("backbone")
-            p = tb.run("backbone", sys.executable, "-m", "node", "backbone", "generate", *common, "--tokens", str(n_tokens), "--no-speculative", "--json",
-                       "--listen", f"{bb}:0", "--dht-listen", f"{bb}:0", "--data-dir", str(workdir / f"bb-{path}"), "--timeout", "10",
-                       "And the LORD said unto Moses,", capture_output=True, text=True, timeout=900)
-            if p.returncode != 0:
-                raise click.ClickException(f"backbone over the {path} path failed: {p.stderr[-500:]}")
-            results[path] = json.loads(p.stdout.strip().splitlines()[-1])
+            results[path] = swarm.generate(f"bb-{path}", DEFAULT_PROMPT, n_tokens, "--no-speculative", "--timeout", "10")
             worker.stop()
     d, r = results["direct"], results["relay"]
     return {
+        "relay_link_ms": relay_link_ms,
         "throughput": {"direct_tokens_s": d["tokens_per_s"], "relay_tokens_s": r["tokens_per_s"], "ratio": round(r["tokens_per_s"] / d["tokens_per_s"], 3)},
         "failed_dispatches": d["failed_dispatches"] + r["failed_dispatches"],
         "identical": d["token_ids"] == r["token_ids"],
@@ -72,7 +65,7 @@ def path_throughput(rtt_ms: float, n_tokens: int, workdir: Path) -> dict:
 
 @bench_group.command("paths")
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--rtt-ms", default=80.0, show_default=True, help="WAN round trip between any two testbed hosts.")
+@click.option("--rtt-ms", default=80.0, show_default=True, help="WAN round trip between the backbone and workers (and between punching peers).")
 @click.option("--attempts", default=20, show_default=True, help="Punch attempts per pair.")
 @click.option("--tokens", "n_tokens", default=16, show_default=True)
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
@@ -82,7 +75,10 @@ def bench_paths(as_json: bool, rtt_ms: float, attempts: int, n_tokens: int, writ
 
     require_root()
     with tempfile.TemporaryDirectory(prefix="moeswarm-paths-") as tmp:
-        result = {"rtt_ms": rtt_ms, **punch_stats(rtt_ms, attempts), **path_throughput(rtt_ms, n_tokens, Path(tmp))}
+        edge = path_throughput(rtt_ms, n_tokens, Path(tmp) / "edge", 0.0)
+        mid = path_throughput(rtt_ms, n_tokens, Path(tmp) / "mid", rtt_ms / 2)
+        result = {"rtt_ms": rtt_ms, **punch_stats(rtt_ms, attempts), **edge, "failed_dispatches": edge["failed_dispatches"] + mid["failed_dispatches"],
+                  "relay_mid_wan": {k: mid[k] for k in ("relay_link_ms", "throughput", "identical", "rtt_ms_measured")}}
     if write_md:
         _append_md(write_md, f"moeswarm bench paths --json --rtt-ms {rtt_ms:g} --attempts {attempts}", result)
     if as_json:
@@ -91,4 +87,5 @@ def bench_paths(as_json: bool, rtt_ms: float, attempts: int, n_tokens: int, writ
         for k, v in result["punch"].items():
             click.echo(f"punch {k}: {v['ok']}/{v['tries']} direct")
         t = result["throughput"]
-        click.echo(f"upgrade median {result['upgrade_ms_median']} ms; direct {t['direct_tokens_s']} tokens/s, relay {t['relay_tokens_s']} ({t['ratio']}x); failed dispatches {result['failed_dispatches']}")
+        click.echo(f"upgrade median {result['upgrade_ms_median']} ms; direct {t['direct_tokens_s']} tokens/s, relay at the edge {t['relay_tokens_s']} ({t['ratio']}x), "
+                   f"relay mid-WAN {result['relay_mid_wan']['throughput']['ratio']}x; failed dispatches {result['failed_dispatches']}")

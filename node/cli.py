@@ -44,6 +44,6 @@ def emit_json(obj: dict) -> None:
     click.echo(json.dumps(obj, indent=None, sort_keys=False))
 
 
-from . import bench, bench_paths, cli_ledger, cli_model, cli_relay, cli_serve, cli_swarm, cli_testbed, demo  # noqa: E402  (subcommands register themselves on `main`)
+from . import bench, bench_paths, bench_wan, cli_ledger, cli_model, cli_relay, cli_serve, cli_swarm, cli_testbed, demo  # noqa: E402  (subcommands register themselves on `main`)
 
-__all__ = ["main", "emit_json", "bench", "bench_paths", "cli_ledger", "cli_model", "cli_relay", "cli_serve", "cli_swarm", "cli_testbed", "demo"]
+__all__ = ["main", "emit_json", "bench", "bench_paths", "bench_wan", "cli_ledger", "cli_model", "cli_relay", "cli_serve", "cli_swarm", "cli_testbed", "demo"]

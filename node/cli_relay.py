@@ -6,6 +6,8 @@ import asyncio
 
 import click
 
+from contextlib import AsyncExitStack, asynccontextmanager
+
 from p2p.identity import Identity
 from relay.server import RelayServer, run_relay
 
@@ -22,19 +24,30 @@ _PEM = click.Path(exists=True, dir_okay=False)
 @click.option("--tls-key", default=None, type=_PEM, help="PEM private key for --tls-cert.")
 @click.option("--data-dir", default=None, help="Where the relay keeps its key (default ~/.moeswarm/relay).")
 @click.option("--ready-file", default=None, help="Write a JSON line with the relay's URL and peer id once it serves.")
+@click.option("--bootstrap", multiple=True, help="DHT bootstrap multiaddr (repeatable): also serve as a reachability helper, announced in the DHT.")
+@click.option("--quic-listen", default=None, help="With --bootstrap: UDP HOST:PORT answering reachability probes (default: the --listen host and port number, over UDP).")
+@click.option("--dht-listen", default=None, help="With --bootstrap: TCP HOST:PORT for the DHT client (default: the --listen host, port 0).")
 def relay_cmd(
-    listen: str, tls_cert: str | None, tls_key: str | None, data_dir: str | None, ready_file: str | None
+    listen: str, tls_cert: str | None, tls_key: str | None, data_dir: str | None, ready_file: str | None,
+    bootstrap: tuple[str, ...], quic_listen: str | None, dht_listen: str | None,
 ) -> None:
     """Relay packets between peers that cannot reach each other directly, until Ctrl-C."""
     host, port = parse_hostport(listen)
     if (tls_cert is None) != (tls_key is None):
         raise click.UsageError("give both --tls-cert and --tls-key, or neither")
+    if (quic_listen or dht_listen) and not bootstrap:
+        raise click.UsageError("--quic-listen and --dht-listen need --bootstrap (the helper is announced in the DHT)")
+    helper = None
+    if bootstrap:
+        quic = parse_hostport(quic_listen) if quic_listen else (host, port)
+        helper = (bootstrap, quic, dht_listen or f"{f'[{host}]' if ':' in host else host}:0")
     ident = load_identity(node_dir(data_dir, "relay"))
-    asyncio.run(_serve(ident, host, port, tls_cert, tls_key, ready_file))
+    asyncio.run(_serve(ident, host, port, tls_cert, tls_key, ready_file, helper))
 
 
 async def _serve(
-    ident: Identity, host: str, port: int, tls_cert: str | None, tls_key: str | None, ready_file: str | None
+    ident: Identity, host: str, port: int, tls_cert: str | None, tls_key: str | None, ready_file: str | None,
+    helper: tuple[tuple[str, ...], tuple[str, int], str] | None,
 ) -> None:
     ready: asyncio.Future[RelayServer] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(run_relay(ident, host, port, tls_cert=tls_cert, tls_key=tls_key, ready=ready))
@@ -46,10 +59,27 @@ async def _serve(
             raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
     server = ready.result()
     info = {"url": server.url, "peer_id": str(server.peer_id)}
-    write_ready(ready_file, info)
-    emit_json(info)
     try:
-        await until_stopped()
+        async with AsyncExitStack() as stack:
+            if helper is not None:
+                info["quic_addr"] = await stack.enter_async_context(_helper(ident, *helper))
+            write_ready(ready_file, info)
+            emit_json(info)
+            await until_stopped()
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def _helper(ident: Identity, bootstrap: tuple[str, ...], quic: tuple[str, int], dht_listen: str):
+    """The relay as a reachability helper: a DHT client announcing the UDP socket that answers probes."""
+    from p2p.dht import LibP2PDiscovery  # libp2p is heavy: imported only for a relay that helps
+    from p2p.helpers import serve_helper
+
+    @asynccontextmanager
+    async def run():
+        async with LibP2PDiscovery(ident, listen=dht_listen, bootstrap=bootstrap, client_mode=True) as dht:
+            async with serve_helper(ident, dht, *quic) as addr:
+                yield addr
+
+    return run()

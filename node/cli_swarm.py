@@ -29,14 +29,16 @@ ready_opt = click.option("--ready-file", default=None, help="Write a JSON line w
 
 @main.command("bootstrap")
 @click.option("--listen", default="127.0.0.1:4001", show_default=True, help="TCP HOST:PORT for the DHT.")
+@click.option("--quic-listen", default=None, help="UDP HOST:PORT where this node answers reachability probes and which it announces as a helper (default: the --listen host and port number, over UDP; a wildcard host is not announced).")
 @bootstrap_opt
 @data_dir_opt
 @ready_opt
-def bootstrap_cmd(listen: str, bootstrap: tuple[str, ...], data_dir: str | None, ready_file: str | None) -> None:
-    """Run a DHT bootstrap node."""
+def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ...], data_dir: str | None, ready_file: str | None) -> None:
+    """Run a DHT bootstrap node (also a reachability helper for NAT detection)."""
     parse_hostport(listen)
+    quic = parse_hostport(quic_listen) if quic_listen else None
     ident = load_identity(node_dir(data_dir, "bootstrap"))
-    asyncio.run(run_bootstrap_node(ident, listen, bootstrap, ready_file))
+    asyncio.run(run_bootstrap_node(ident, listen, bootstrap, ready_file, quic))
 
 
 @main.command("worker")
@@ -45,8 +47,8 @@ def bootstrap_cmd(listen: str, bootstrap: tuple[str, ...], data_dir: str | None,
 @click.option("--model-digest", default=None, help="With --slice: refuse a slice of any other model.")
 @click.option("--layers", default=None, help="Layer range to host, e.g. 0-3 (default: all in the file).")
 @click.option("--experts", "experts_", default=None, help="Expert range to host, e.g. 0-31 (default: all in the file).")
-@click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC dispatch.")
-@click.option("--advertise", default=None, help="HOST:PORT to announce, if not the listen address.")
+@click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC dispatch (and reachability probes; with --relay use a routable or wildcard host, e.g. 0.0.0.0:0).")
+@click.option("--advertise", default=None, help="HOST:PORT to announce, if not the listen address (with --relay: only if the check finds this node public).")
 @click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT.")
 @bootstrap_opt
 @click.option("--memory-budget", default=None, help="RAM for dequantized experts (e.g. 512M); above it, dequantize on the fly.")
@@ -54,8 +56,8 @@ def bootstrap_cmd(listen: str, bootstrap: tuple[str, ...], data_dir: str | None,
 @click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
 @click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative).")
 @click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
-@click.option("--relay", default=None, help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable.")
-@click.option("--relay-only", is_flag=True, help="Behind NAT: announce only the relay address, no direct QUIC address.")
+@click.option("--relay", default=None, help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable. The worker then checks its reachability against the DHT's helpers: public -> it also announces a direct QUIC address; behind NAT -> only the relay, and backbones hole-punch to it (not behind a symmetric NAT).")
+@click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay).")
 @data_dir_opt
 @ready_opt
 def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, no_ledger, relay, relay_only, data_dir, ready_file) -> None:
@@ -109,9 +111,10 @@ def backbone_group() -> None:
 @click.option("--local-experts", default=0, show_default=True, help="Keep this many of each layer's hottest experts local.")
 @click.option("--local-memory", default=None, help="Or: as many hot experts as fit this much RAM, e.g. 2G.")
 @click.option("--speculative/--no-speculative", default=True, show_default=True, help="Verify prompt-lookup drafts in one pass (greedy output unchanged).")
+@click.option("--overlap/--no-overlap", default=True, show_default=True, help="Compute the shared expert while a layer's dispatch is in flight.")
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, speculative, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, speculative, overlap, data_dir, as_json) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
@@ -119,17 +122,17 @@ def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, time
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
     session = dict(codec=codec, timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
                    local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None)
-    result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative))
+    result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative, overlap=overlap))
     if as_json:
         emit_json(result)
 
 
-async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session: dict, *, stream: bool, speculative: bool) -> dict:
+async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session: dict, *, stream: bool, speculative: bool, overlap: bool) -> dict:
     tok = Tokenizer.from_spec(model.tokenizer_spec)
     bb = Backbone(model)
     async with backbone_session(ident, model, bootstrap, **session) as moe:
         await wait_for_hosts(moe, model.layers, wait_hosts, 60)
-        out, elapsed, spec = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative)
+        out, elapsed, spec = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative, overlap=overlap)
         if stream:
             click.echo(json.dumps(moe.stats.summary()), err=True)
         hit = round(moe.hot.hit_rate, 4) if moe.hot else 0.0

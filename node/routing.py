@@ -114,6 +114,11 @@ class Router:
 
         return sorted(ready, key=lambda h: (h.peer_id != prefer, *key(h))) + sorted(benched, key=key)
 
+    def expected_ms(self, layer: int, group: int, now: float) -> float:
+        """Expected round trip of a group's dispatch: its best candidate's measured RTT (0 if nobody can take it)."""
+        best = next(iter(self.candidates(layer, group, now)), None)
+        return self.health[best.peer_id].score() if best else 0.0
+
     def started(self, peer: PeerId) -> None:
         self.health[peer].inflight += 1
 

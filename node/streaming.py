@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Future
 
 import click
 
@@ -13,8 +14,21 @@ from experts.speculative import SpecStats, default_drafter, speculative_generate
 from experts.tokenizer import StreamDecoder, Tokenizer
 
 
-async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False) -> tuple[list[int], float, SpecStats | None]:
-    """Generate off the event loop (the MoE hook needs the loop); echo text when *stream*. Returns (tokens, seconds, stats)."""
+def serial(hook: MoeFfn) -> MoeFfn:
+    """*hook* without latency hiding: wait for the routed sum before the forward computes the shared expert."""
+
+    def wait(layer: int, x, ids, w):
+        out = hook(layer, x, ids, w)
+        return out.result() if isinstance(out, Future) else out
+
+    return wait
+
+
+async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False, overlap: bool = True) -> tuple[list[int], float, SpecStats | None]:
+    """Generate off the event loop (the MoE hook needs the loop); echo text when *stream*. Returns (tokens, seconds, stats).
+
+    *overlap* False waits for each layer's dispatch before the shared expert (for measuring what the overlap hides)."""
+    hook = hook if overlap else serial(hook)
     ids = tok.encode(prompt)
     out: list[int] = []
     dec = StreamDecoder(tok)

@@ -19,17 +19,18 @@ from experts.gguf_model import ExpertRange, GGUFModel
 from experts.slices import ExpertStore, check_slice
 from p2p.dht import LibP2PDiscovery
 from p2p.discovery import CachedDiscovery
+from p2p.helpers import NodeReachability, helper_address, serve_helper
 from p2p.identity import Identity
+from p2p.nat import announced_address
 from p2p.quic import Endpoint
 from p2p.records import HostedSlice, RelayAddress
-from p2p.nat import NatTraversal
 from relay.client import RelayClient, attach
 
 from .backbone import RemoteMoE
 from .hot import HotExperts
 from .ledger_sink import LedgerSink
 from .routing import scarcity_price
-from .runtime import until_stopped, write_ready
+from .runtime import parse_hostport, until_stopped, write_ready
 from .worker import Worker
 
 log = structlog.get_logger("node.swarm")
@@ -50,8 +51,8 @@ class WorkerOptions:
     model_digest: str | None = None  # for a slice: the model it must belong to
     max_datagram: int = 1200  # QUIC datagram size this end sends (1200 is safe on any path; loopback takes 16384)
     reprice_s: float = 60.0
-    relay: str | None = None  # ws(s)://HOST:PORT/relay: also reachable through this relay
-    relay_only: bool = False  # NAT-bound: announce the relay address only (no direct QUIC address)
+    relay: str | None = None  # ws(s)://HOST:PORT/relay: also reachable through this relay; check reachability
+    relay_only: bool = False  # announce the relay address only, skip the check, answer no punch (relay path only)
 
 
 async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None) -> None:
@@ -64,16 +65,22 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
     ledger = LedgerSink(ledger_path, "worker", identity) if ledger_path else None
     worker = Worker(identity, store, price=opts.price, ledger=ledger)
     endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram)
-    addr = None if opts.relay_only else opts.advertise or f"{opts.listen[0]}:{endpoint.local_addr[1]}"
+    port = endpoint.local_addr[1]
+    configured = opts.advertise or helper_address(opts.listen[0], port)  # a direct address we were told, if any
+    addr = None if opts.relay else opts.advertise or f"{opts.listen[0]}:{port}"  # with a relay: decided by the check
     ranges = ((store.experts.start, store.experts.stop),)
-    relay_addr, relay_path, nat = None, None, None
+    # A worker behind a relay may be NAT-bound: it joins the DHT as a client (nobody may be able to dial it, so it
+    # must not host records), also when its check finds it public.
+    dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap, client_mode=bool(opts.relay))
+    reach = NodeReachability(endpoint, dht)  # answers probes on the QUIC socket in every mode
+    relay_addr, relay_path = None, None
     if opts.relay:
         relay_path = attach(endpoint, RelayClient(identity, opts.relay))
         relay_path.client.start()
         await relay_path.client.wait_connected(30)
         relay_addr = RelayAddress(opts.relay, relay_path.client.relay_peer)
-        nat = NatTraversal(endpoint, identity, relay_path.client, initiate=False)  # answers backbones' punches
-        worker.path_of = nat.path
+        reach.nat.attach_relay(relay_path.client, initiate=False)  # answers backbones' punches with our verdict
+        worker.path_of = reach.nat.path
 
     def slices(price: int) -> list[HostedSlice]:
         return [HostedSlice(model.digest, layer, ranges, quic_addr=addr, relay=relay_addr, capacity=opts.capacity, price=price) for layer in store.layers]
@@ -96,17 +103,23 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
                 await dht.announce(slices(price))
                 log.info("worker.repriced", price=price)
 
-    # NAT-bound workers join the DHT as clients: nobody can dial them, so they must not host records.
-    dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap, client_mode=opts.relay_only)
     repricing = None
     try:
         await dht.start()
+        reach.start()
+        if opts.relay and not opts.relay_only:
+            verdict = await reach.check()
+            addr = announced_address(verdict, configured)
+            reachability = verdict.kind.name.lower()
+        else:
+            reachability = "relay-only" if opts.relay_only else "unchecked"  # public by configuration
+        await reach.announce(addr if opts.relay else configured)  # public nodes help others check theirs
         worker.price = scarcity_price(opts.price, await replicas()) if opts.price else 0
         await dht.announce(slices(worker.price))
         if opts.price:
             repricing = asyncio.create_task(reprice())
-        log.info("worker.ready", peer=str(identity.peer_id), quic=addr, layers=f"{store.layers.start}-{store.layers.stop - 1}", experts=str(store.experts), mode=store.plan.mode)
-        write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "relay": opts.relay, "dht_addrs": dht.multiaddrs, "load": store.plan.mode, "price": worker.price, "ledger": str(ledger_path) if ledger_path else None})
+        log.info("worker.ready", peer=str(identity.peer_id), quic=addr, reachability=reachability, layers=f"{store.layers.start}-{store.layers.stop - 1}", experts=str(store.experts), mode=store.plan.mode)
+        write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "relay": opts.relay, "reachability": reachability, "dht_addrs": dht.multiaddrs, "load": store.plan.mode, "price": worker.price, "ledger": str(ledger_path) if ledger_path else None})
         await until_stopped()
     finally:
         if repricing:
@@ -116,8 +129,7 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
             log.info("worker.withdrawn", peer=str(identity.peer_id))
         except Exception as exc:  # shutdown goes on; records then expire on their own
             log.warning("worker.withdraw_failed", error=repr(exc))
-        if nat:
-            await nat.close()
+        await reach.close()
         if relay_path:
             relay_path.detach()
             await relay_path.client.close()
@@ -128,10 +140,12 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
             ledger.close()
 
 
-async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequence[str], ready_file: str | None) -> None:
-    async with LibP2PDiscovery(identity, listen=listen, bootstrap=bootstrap) as node:
-        write_ready(ready_file, {"role": "bootstrap", "peer_id": str(identity.peer_id), "dht_addrs": node.multiaddrs})
-        log.info("bootstrap.ready", addrs=node.multiaddrs)
+async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequence[str], ready_file: str | None, quic_listen: tuple[str, int] | None = None) -> None:
+    """A DHT server that is also a reachability helper on UDP ``quic_listen`` (default: --listen's host and port)."""
+    host, port = quic_listen or parse_hostport(listen)
+    async with LibP2PDiscovery(identity, listen=listen, bootstrap=bootstrap) as node, serve_helper(identity, node, host, port) as quic:
+        write_ready(ready_file, {"role": "bootstrap", "peer_id": str(identity.peer_id), "dht_addrs": node.multiaddrs, "quic_addr": quic})
+        log.info("bootstrap.ready", addrs=node.multiaddrs, quic=quic)
         await until_stopped()
 
 
@@ -141,17 +155,25 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
     endpoint = await Endpoint.bind(identity, listen[0], listen[1], handler=None, max_datagram_size=max_datagram)
     dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
     ledger = LedgerSink(ledger_path, "backbone", identity) if ledger_path else None
-    moe = None
+    reach = NodeReachability(endpoint, dht)  # answers probes; our own verdict gives the addresses punches need
+    moe, checking = None, None
     try:
         await dht.start()
+        reach.start()
+        checking = asyncio.create_task(reach.check())  # in the background: dispatches start on the relay anyway
         cfg = model.cfg
         moe = RemoteMoE(endpoint, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model, memory_budget=memory_budget), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory))
         moe.router.max_price = max_price
         moe.loop = asyncio.get_running_loop()
+        moe.nat = reach.nat
         yield moe
     finally:
+        if checking is not None:
+            checking.cancel()
+            await asyncio.gather(checking, return_exceptions=True)
         if moe is not None:
             await moe.close_relays()
+        await reach.close()
         await endpoint.close()
         await dht.close()
         if ledger:

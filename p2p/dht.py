@@ -10,6 +10,9 @@ Storage scheme
   * Lookup: walk GET_PROVIDERS towards this epoch's 4 shard keys, then per provider GET_VALUE its
     record from the provider itself, or else walk towards the record's key (replicas); every value
     goes through `decode_and_validate`, and the newest seq per peer wins.
+  * Reachability helpers (public nodes answering ``p2p.reachability`` probes) use the same scheme with
+    one well-known slot: value ``records.helper_key(peer)`` -> its signed ``HelperRecord``, provider key
+    sha256("moeswarm/helpers/v1", epoch, shard). A node has at most one helper record.
 
 libp2p 0.8.1 defects (each measured here) and what this module does about them
   * 250 ms head start per dial: ``ConnectionConfig(max_connections_per_peer=1)`` (7 ms instead).
@@ -29,7 +32,7 @@ libp2p 0.8.1 defects (each measured here) and what this module does about them
     lookups with every connected peer: `ServerOnlyKadDHT` / `ServerOnlyPeerRouting` admit and ask
     only peers whose identify lists KAD.
   * Leaving ``host.run()`` closes no connection: ``host.close()`` in a finally.
-  * Importing libp2p detaches its ``libp2p`` logger: `_ToStructlog` routes it into structlog.
+  * Importing libp2p detaches its ``libp2p`` logger: `p2p.dht_libp2p.ToStructlog` routes it into structlog.
   * Importing libp2p replaces aioquic's ``QuicStreamSender.get_frame`` process-wide: libp2p is
     imported only when a node starts, and the original method is put back (we use no libp2p QUIC),
     so the data path behaves the same in every process.
@@ -39,15 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import inspect
 import ipaddress
-import logging
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import structlog
@@ -58,14 +57,16 @@ from p2p.identity import Identity, IdentityError, PeerId
 from p2p.records import (
     MAX_CLOCK_SKEW,
     NAMESPACE,
+    HelperRecord,
     HostedSlice,
     HostRecord,
     RecordError,
-    decode,
-    decode_and_validate,
-    select_best,
+    helper_key,
+    issue_helper,
+    validate,
     value_key,
 )
+from p2p.dht_libp2p import libp2p_api
 from p2p.trio_thread import TrioThread
 
 log = structlog.get_logger(__name__)
@@ -88,6 +89,18 @@ def provider_key(model_digest: str, layer: int, epoch: int, shard: int) -> bytes
     """The provider key of (model, layer) for one epoch and shard: a sha2-256 multihash."""
     material = b"moeswarm/providers/v1\0" + bytes.fromhex(model_digest) + layer.to_bytes(2, "big")
     return b"\x12\x20" + hashlib.sha256(material + epoch.to_bytes(8, "big") + bytes([shard])).digest()
+
+
+def helper_provider_key(epoch: int, shard: int) -> bytes:
+    """The well-known provider key of reachability helpers for one epoch and shard."""
+    return b"\x12\x20" + hashlib.sha256(b"moeswarm/helpers/v1\0" + epoch.to_bytes(8, "big") + bytes([shard])).digest()
+
+
+def _provider_key_of(record: HostRecord | HelperRecord, epoch: int) -> bytes:
+    shard = provider_shard(record.peer_id)
+    if isinstance(record, HelperRecord):
+        return helper_provider_key(epoch, shard)
+    return provider_key(record.hosted.model_digest, record.hosted.layer, epoch, shard)
 
 
 def provider_shard(peer_id: PeerId) -> int:
@@ -131,183 +144,6 @@ def tcp_multiaddr(listen: str) -> str:
     return f"/ip{ip.version}/{ip}/tcp/{port}"
 
 
-class _ToStructlog(logging.Handler):
-    """Routes the ``libp2p`` logger (which libp2p detaches from the root) into structlog."""
-
-    _BENIGN = frozenset({"Failed to read DHT message from stream: "})  # WARNING on every normal stream close
-    _log = structlog.get_logger("libp2p")
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message not in self._BENIGN:
-            emit = getattr(self._log, record.levelname.lower(), self._log.warning)
-            emit("libp2p.log", logger=record.name, message=message)
-
-
-_libp2p_lock = threading.Lock()
-_libp2p_loaded: SimpleNamespace | None = None
-
-
-def _libp2p() -> SimpleNamespace:
-    """libp2p's names we use, importing it on the first call (from whichever node thread)."""
-    global _libp2p_loaded
-    with _libp2p_lock:
-        if _libp2p_loaded is None:
-            _libp2p_loaded = _import_libp2p()
-        return _libp2p_loaded
-
-
-def _import_libp2p() -> SimpleNamespace:
-    """Import libp2p (~0.5 s), undo its process-wide side effects, and define our subclasses of it."""
-    from aioquic.quic.stream import QuicStreamSender
-    from libp2p import new_host
-    from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
-    from libp2p.kad_dht.common import PROTOCOL_ID
-    from libp2p.kad_dht.kad_dht import ROUTING_TABLE_REFRESH_INTERVAL, DHTMode, KadDHT
-    from libp2p.kad_dht.peer_routing import PeerRouting
-    from libp2p.kad_dht.utils import sort_peer_ids_by_distance
-    from libp2p.kad_dht.value_store import ValueStore
-    from libp2p.network.config import ConnectionConfig
-    from libp2p.peer.peerinfo import info_from_p2p_addr
-    from libp2p.peer.peerstore import PeerStoreError
-    from libp2p.records.validator import NamespacedValidator, Validator
-    from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-    from libp2p.security.noise.transport import Transport as NoiseTransport
-    from libp2p.tools.anyio_service import background_trio_service
-    from multiaddr import Multiaddr
-
-    patched = QuicStreamSender.get_frame
-    if getattr(patched, "_libp2p_keep_pending_fin", False):  # libp2p's mark on its replacement
-        # The replacement closes over the original, whichever module imported libp2p first.
-        QuicStreamSender.get_frame = inspect.getclosurevars(patched).nonlocals["original"]
-        log.debug("dht.aioquic_patch_reverted")
-    logging.getLogger("libp2p").addHandler(_ToStructlog(logging.WARNING))
-
-    class RecordValidator(Validator):
-        """The /moeswarm/ namespace's validator: every put and get goes through decode_and_validate."""
-
-        def __init__(self, clock: Callable[[], float]) -> None:
-            self._clock = clock
-
-        def validate(self, key: str, value: bytes) -> None:
-            try:
-                decode_and_validate(key, value, self._clock())
-            except RecordError as exc:
-                log.info("dht.record_rejected", key=key[:60], error=type(exc).__name__, reason=str(exc))
-                raise
-
-        def select(self, key: str, values: list[bytes]) -> int:
-            return select_best(key, values, self._clock())
-
-    class ExpiringValueStore(ValueStore):
-        """A value store that forgets each record at its own expires_at, not libp2p's fixed 24 h."""
-
-        def put(self, key: bytes, value: bytes, validity: float = 0.0) -> None:
-            super().put(key, value, validity)
-            self._clamp(key)
-
-        def put_record(self, key: bytes, record: Any) -> None:
-            super().put_record(key, record)
-            self._clamp(key)
-
-        def _clamp(self, key: bytes) -> None:
-            stored, validity = self.store[key]
-            try:
-                expires_at = decode(stored.value)[0].expires_at
-            except RecordError:
-                return  # the validator refuses such values before they get here
-            self.store[key] = (stored, min(validity, expires_at))
-
-    def speaks_kad(host: Any, peer_id: Any) -> bool | None:
-        """Whether identify lists KAD for peer_id; None while identify has not answered."""
-        try:
-            protocols = host.get_peerstore().get_protocols(peer_id)
-        except PeerStoreError:
-            return None
-        return (str(PROTOCOL_ID) in protocols) if protocols else None
-
-    class ServerOnlyPeerRouting(PeerRouting):
-        """Peer routing that neither asks nor returns peers known not to serve KAD (client mode)."""
-
-        async def find_closest_peers_network(self, target_key: bytes, count: int = 20) -> list[Any]:
-            found = await super().find_closest_peers_network(target_key, count)
-            return [p for p in found if speaks_kad(self.host, p) is not False]
-
-        async def _query_peer_for_closest(self, peer: Any, target_key: bytes) -> list[Any]:
-            if speaks_kad(self.host, peer) is False:
-                return []
-            return await super()._query_peer_for_closest(peer, target_key)
-
-    class ServerOnlyKadDHT(KadDHT):
-        """KadDHT whose routing table admits only peers that identify as KAD servers.
-
-        libp2p adds every peer that opens a KAD stream (``skip_server_mode_check``); a peer whose
-        identify has not answered yet is checked again once it has.
-        """
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.value_store = ExpiringValueStore(host=self.host, local_peer_id=self.local_peer_id)
-            self.peer_routing = ServerOnlyPeerRouting(self.host, self.routing_table)
-            self.provider_store.peer_routing = self.peer_routing
-            self.spawn: Callable[..., None] | None = None  # set once our nursery runs
-            self._awaiting_identify: set[Any] = set()
-
-        async def add_peer(self, peer_id: Any, *, skip_server_mode_check: bool = False) -> bool:
-            if not skip_server_mode_check:
-                return await super().add_peer(peer_id)
-            server = speaks_kad(self.host, peer_id)
-            if server is None and self.spawn is not None and peer_id not in self._awaiting_identify:
-                self._awaiting_identify.add(peer_id)
-                self.spawn(self._add_once_identified, peer_id)
-            return bool(server) and await super().add_peer(peer_id, skip_server_mode_check=True)
-
-        async def _run_main_loop(self) -> None:
-            """libp2p's maintenance loop without its republishing: that re-sends our records once at
-            start (racing our first announce, so servers refuse the duplicates) and every 22 h, with
-            ADD_PROVIDERs unpaced. `_Node` re-announces by itself."""
-            while self.manager.is_running:
-                try:
-                    await self.refresh_routing_table()
-                    self.value_store.cleanup_expired()
-                    self.provider_store.cleanup_expired()
-                except Exception as exc:  # as libp2p does: log and keep maintaining
-                    log.warning("dht.maintenance_failed", error=repr(exc))
-                await trio.sleep(ROUTING_TABLE_REFRESH_INTERVAL)
-
-        async def _add_once_identified(self, peer_id: Any) -> None:
-            try:
-                for _ in range(50):
-                    await trio.sleep(0.1)
-                    if (server := speaks_kad(self.host, peer_id)) is not None:
-                        if server:
-                            await super().add_peer(peer_id, skip_server_mode_check=True)
-                        return
-            except Exception as exc:  # runs in our nursery: must not take the node down
-                log.warning("dht.add_peer_failed", peer=str(peer_id), error=repr(exc))
-            finally:
-                self._awaiting_identify.discard(peer_id)
-
-    return SimpleNamespace(
-        new_host=new_host,
-        create_new_key_pair=create_new_key_pair,
-        create_x25519_key_pair=create_x25519_key_pair,
-        ConnectionConfig=ConnectionConfig,
-        NOISE_PROTOCOL_ID=NOISE_PROTOCOL_ID,
-        NoiseTransport=NoiseTransport,
-        DHTMode=DHTMode,
-        NamespacedValidator=NamespacedValidator,
-        RecordValidator=RecordValidator,
-        ServerOnlyKadDHT=ServerOnlyKadDHT,
-        background_trio_service=background_trio_service,
-        info_from_p2p_addr=info_from_p2p_addr,
-        Multiaddr=Multiaddr,
-        speaks_kad=speaks_kad,
-        sort_by_distance=sort_peer_ids_by_distance,
-    )
-
-
 class _Node:
     """A libp2p host with a KadDHT and our announcements. Every method runs in the node's trio thread."""
 
@@ -325,6 +161,8 @@ class _Node:
         self.identity, self.listen, self.bootstrap = identity, tcp_multiaddr(listen), list(bootstrap)
         self.client_mode, self.lookup_timeout, self.clock = client_mode, lookup_timeout, clock
         self.announcer = Announcer(identity, ttl=ttl)
+        self.ttl = ttl
+        self.helper: Publication | None = None  # our helper record (or its tombstone), refreshed like the others
         self.multiaddrs: list[str] = []
         self.pacer = ProvidePacer()
         self.provided: dict[bytes, tuple[int, float]] = {}  # provider key -> (epoch, when sent)
@@ -343,7 +181,7 @@ class _Node:
         Only our own tasks are cancelled: cancelling libp2p's interrupts its connections' close
         half-way (the socket stays open, and host.close() then skips the connection as closed).
         """
-        lib = _libp2p()
+        lib = libp2p_api()
         key_pair = lib.create_new_key_pair(self.identity.seed)
         noise = lib.NoiseTransport(key_pair, noise_privkey=lib.create_x25519_key_pair().private_key)
         listen = lib.Multiaddr(self.listen)
@@ -381,7 +219,7 @@ class _Node:
 
     async def _join(self) -> int:
         """Connect to the bootstrap peers and walk towards our own id; returns how many answered."""
-        lib = _libp2p()
+        lib = libp2p_api()
         reached = 0
         for addr in self.bootstrap:
             try:
@@ -407,7 +245,7 @@ class _Node:
     async def _maintain(self) -> None:
         """Re-sign and re-put records before they expire; rejoin through the bootstrap peers if alone."""
         while True:
-            due_at = self.announcer.next_refresh_at()
+            due_at = min(filter(None, (self.announcer.next_refresh_at(), self._helper_refresh_at())), default=None)
             delay = MAINTENANCE_INTERVAL if due_at is None else min(MAINTENANCE_INTERVAL, due_at - self.clock())
             with trio.move_on_after(max(delay, 0.0)):
                 await self.changed.wait()
@@ -417,6 +255,7 @@ class _Node:
                     await self._join()
                 async with self.lock:
                     pubs = self.announcer.due(self.clock(), everything=self.republish_all)
+                    pubs += self._helper_due(everything=self.republish_all)
                     if await self._publish(pubs):
                         self.republish_all = False
                         if pubs:
@@ -445,6 +284,38 @@ class _Node:
             raise DiscoveryError("publishing tombstones failed; see dht.publish_failed")
         log.info("dht.withdrawn", tombstones=len(pubs))
 
+    async def announce_helper(self, quic_addr: str | None) -> None:
+        """Publish (None: withdraw) our helper record; the refresh loop keeps it fresh."""
+        async with self.lock:
+            now, held = self.clock(), self.helper
+            if quic_addr is None and (held is None or now >= held.record.expires_at):
+                self.helper = None  # nothing live to replace
+                return
+            ttl = self.ttl if quic_addr else held.record.expires_at - int(now)
+            seq = max(int(now * 1000), held.record.seq + 1 if held else 0)
+            self.helper = Publication(*issue_helper(self.identity, quic_addr, now=now, ttl=ttl, seq=seq))
+            ok = await self._publish([self.helper])
+        self.changed.set()
+        if not ok:
+            raise DiscoveryError(f"announcing helper address {quic_addr} failed (retrying every {RETRY_AFTER:.0f}s)")
+        log.info("dht.helper_announced" if quic_addr else "dht.helper_withdrawn", quic=quic_addr)
+
+    def _helper_refresh_at(self) -> float | None:
+        helper = self.helper
+        if helper is None or helper.record.quic_addr is None:
+            return None
+        return helper.record.issued_at + self.ttl / 2
+
+    def _helper_due(self, *, everything: bool) -> list[Publication]:
+        at = self._helper_refresh_at()
+        if at is None or not (everything or self.clock() >= at):
+            return []
+        now = self.clock()
+        seq = max(int(now * 1000), self.helper.record.seq + 1)
+        addr = self.helper.record.quic_addr
+        self.helper = Publication(*issue_helper(self.identity, addr, now=now, ttl=self.ttl, seq=seq))
+        return [self.helper]
+
     async def _publish(self, pubs: list[Publication]) -> bool:
         """PUT every record (in parallel), then paced provider announcements for the live ones.
 
@@ -468,17 +339,17 @@ class _Node:
             log.warning("dht.publish_failed", failed=len(errors), records=len(pubs), first=repr(errors[0]))
             return False
         now = self.clock()
-        for record in (p.record for p in pubs if not p.record.hosted.is_tombstone):
+        for record in (p.record for p in pubs if p.record.is_live(now)):
             for key, epoch in self._provider_keys_due(record, now):
                 await self._provide(key, epoch)
         return True
 
-    def _provider_keys_due(self, record: HostRecord, now: float) -> list[tuple[bytes, int]]:
+    def _provider_keys_due(self, record: HostRecord | HelperRecord, now: float) -> list[tuple[bytes, int]]:
         current = int(now // PROVIDER_EPOCH)
         self.provided = {k: v for k, v in self.provided.items() if v[0] >= current - 1}
         due = []
         for epoch in provider_epochs(now - MAX_CLOCK_SKEW, record.expires_at + MAX_CLOCK_SKEW):
-            key = provider_key(record.hosted.model_digest, record.hosted.layer, epoch, provider_shard(record.peer_id))
+            key = _provider_key_of(record, epoch)
             sent = self.provided.get(key)
             if sent is None or now - sent[1] >= REPROVIDE_AFTER:
                 due.append((key, epoch))
@@ -494,21 +365,44 @@ class _Node:
 
     async def lookup(self, model_digest: str, layer: int) -> list[HostRecord]:
         started = trio.current_time()
-        epoch = int(self.clock() // PROVIDER_EPOCH)
-        providers: set[Any] = set()
-        records: list[HostRecord] = []
-        with trio.move_on_after(self.lookup_timeout) as deadline:
-            async with trio.open_nursery() as nursery:
-                for shard in range(PROVIDER_SHARDS):
-                    nursery.start_soon(self._find_providers, provider_key(model_digest, layer, epoch, shard), providers)
-            async with trio.open_nursery() as nursery:
-                for peer in providers:
-                    nursery.start_soon(self._fetch_record, peer, model_digest, layer, records)
-        if deadline.cancelled_caught:
-            log.warning("dht.lookup_timeout", model=model_digest[:12], layer=layer, seconds=self.lookup_timeout)
+        records = await self._gather(
+            lambda epoch, shard: provider_key(model_digest, layer, epoch, shard),
+            lambda peer: value_key(peer, model_digest, layer),
+            f"model {model_digest[:12]} layer {layer}",
+        )
         hosts = live_hosts(records, model_digest, layer, self.clock())
         log.debug("dht.lookup", model=model_digest[:12], layer=layer, hosts=len(hosts), ms=_ms_since(started))
         return hosts
+
+    async def lookup_helpers(self) -> list[HelperRecord]:
+        """Live helper records, newest per peer, sorted by peer id."""
+        records = await self._gather(helper_provider_key, helper_key, "reachability helpers")
+        newest: dict[PeerId, HelperRecord] = {}
+        for record in records:
+            if isinstance(record, HelperRecord) and (record.seq, record.expires_at) > (
+                (held.seq, held.expires_at) if (held := newest.get(record.peer_id)) else (-1, -1)
+            ):
+                newest[record.peer_id] = record
+        now = self.clock()
+        return sorted((r for r in newest.values() if r.is_live(now)), key=lambda r: r.peer_id)
+
+    async def _gather(
+        self, provider_key_of: Callable[[int, int], bytes], value_key_of: Callable[[PeerId], str], what: str
+    ) -> list[Any]:
+        """The validated records that this epoch's providers hold under their value keys."""
+        epoch = int(self.clock() // PROVIDER_EPOCH)
+        providers: set[Any] = set()
+        records: list[Any] = []
+        with trio.move_on_after(self.lookup_timeout) as deadline:
+            async with trio.open_nursery() as nursery:
+                for shard in range(PROVIDER_SHARDS):
+                    nursery.start_soon(self._find_providers, provider_key_of(epoch, shard), providers)
+            async with trio.open_nursery() as nursery:
+                for peer in providers:
+                    nursery.start_soon(self._fetch_record, peer, value_key_of, records)
+        if deadline.cancelled_caught:
+            log.warning("dht.lookup_timeout", what=what, seconds=self.lookup_timeout)
+        return records
 
     async def _walk(self, key: bytes, ask: Callable[[Any], Awaitable[list[Any]]]) -> None:
         """Iterative Kademlia walk towards key: ask(peer) records what the peer holds and returns closer
@@ -516,7 +410,7 @@ class _Node:
 
         One RPC per peer does both jobs: half the traffic of a FIND_NODE walk followed by GETs.
         """
-        lib = _libp2p()
+        lib = libp2p_api()
         known = set(self.dht.routing_table.find_local_closest_peers(key, WALK_WIDTH))
         asked: set[Any] = {self.host.get_id()}
 
@@ -541,14 +435,14 @@ class _Node:
 
         await self._walk(key, ask)
 
-    async def _fetch_record(self, peer: Any, model_digest: str, layer: int, out: list[HostRecord]) -> None:
-        """Peer's record for (model, layer): from the peer itself if it answers, else from the replicas.
+    async def _fetch_record(self, peer: Any, value_key_of: Callable[[PeerId], str], out: list[Any]) -> None:
+        """Peer's record under ``value_key_of(peer)``: from the peer itself if it answers, else from the replicas.
 
         The owner holds its newest record or tombstone and can only serve what it signed itself;
         the walk is for owners in client mode, gone, or restarted without their records.
         """
         try:
-            key = value_key(PeerId.from_string(peer.to_base58()), model_digest, layer)
+            key = value_key_of(PeerId.from_string(peer.to_base58()))
         except IdentityError:
             log.debug("dht.provider_skipped", peer=peer.to_base58(), reason="not an Ed25519 peer id")
             return
@@ -563,7 +457,7 @@ class _Node:
                 values.add(found.value)
             return closer
 
-        if _libp2p().speaks_kad(self.host, peer) is not False:
+        if libp2p_api().speaks_kad(self.host, peer) is not False:
             async with self.rpcs:
                 with trio.move_on_after(QUERY_TIMEOUT):
                     await ask(peer)
@@ -573,12 +467,12 @@ class _Node:
             await self._walk(key_bytes, ask)
             self._accept(key, values, out)
 
-    def _accept(self, key: str, values: set[bytes], out: list[HostRecord]) -> bool:
+    def _accept(self, key: str, values: set[bytes], out: list[Any]) -> bool:
         """Append the valid records among values to out; whether there was one."""
         now, before = self.clock(), len(out)
         for value in values:
             try:
-                out.append(decode_and_validate(key, value, now))
+                out.append(validate(key, value, now))
             except RecordError as exc:
                 log.debug("dht.record_rejected", key=key, error=type(exc).__name__, reason=str(exc))
         return len(out) > before
@@ -645,6 +539,14 @@ class LibP2PDiscovery:
 
     async def withdraw(self) -> None:
         await self._call(self._node.withdraw)
+
+    async def announce_helper(self, quic_addr: str | None) -> None:
+        """Announce that we answer reachability probes on UDP ``quic_addr`` (None: withdraw that); kept fresh."""
+        await self._call(self._node.announce_helper, quic_addr)
+
+    async def lookup_helpers(self) -> list[HelperRecord]:
+        """The live reachability helpers the DHT knows (``records.HelperRecord``)."""
+        return await self._call(self._node.lookup_helpers)
 
     async def lookup(self, model_digest: str, layer: int) -> list[HostRecord]:
         return await self._call(self._node.lookup, model_digest, layer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from types import MethodType
+from collections.abc import Callable
 from typing import Any
 
 import aioquic.quic.stream

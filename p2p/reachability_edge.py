@@ -23,7 +23,7 @@ from p2p.udp_edge import EndpointTap
 log = structlog.get_logger("p2p.reachability")
 
 PeerList = Callable[[], Sequence[tuple[PeerId, Address]]]
-HELPERS_REFRESH = 10.0  # seconds between reads of ``peers()`` for the helpers we name to others
+HELPERS_REFRESH = 1.0  # seconds between reads of ``peers()`` for the helpers we name to others
 
 
 class ReachabilityService:
@@ -38,6 +38,7 @@ class ReachabilityService:
         observers: int = 2,
         recheck: float = 300.0,
         refresh: float = 20.0,
+        on_change: Callable[[Verdict], None] | None = None,
     ) -> None:
         self.tap = tap
         self.core = core
@@ -48,6 +49,8 @@ class ReachabilityService:
         self._loop = asyncio.get_running_loop()
         self._progress = asyncio.Event()
         self._reported: Verdict = UNKNOWN
+        self._checked = False
+        self.on_change = on_change  # called with each verdict whose kind or addresses differ from the last
         self._tasks: list[asyncio.Task[None]] = []
         self._next_observer = 0
         self._helpers_at = -HELPERS_REFRESH
@@ -59,7 +62,8 @@ class ReachabilityService:
         return self.core.verdict(self._loop.time())
 
     def start(self) -> None:
-        """Check now, then keep the verdict (and our NAT mapping) fresh in the background."""
+        """Check now (unless ``check()`` ran already), then keep the verdict (and our NAT mapping) fresh in the
+        background."""
         self._tasks.append(self._loop.create_task(self._maintain()))
 
     async def close(self) -> None:
@@ -117,13 +121,14 @@ class ReachabilityService:
             self._send(self.core.handle_timer(self._loop.time()))
 
     async def _maintain(self) -> None:
+        verdict = self._reported if self._checked else await self.check()
         while True:
-            verdict = await self.check()
             deadline = self._loop.time() + self._recheck
             while self._loop.time() < deadline:
                 await asyncio.sleep(self._refresh)
                 if await self._refreshed_address_changed(verdict):
                     break
+            verdict = await self.check()
 
     async def _refreshed_address_changed(self, verdict: Verdict) -> bool:
         """Ask one observer again (keeps the mapping alive); True if it now sees us elsewhere."""
@@ -139,12 +144,15 @@ class ReachabilityService:
 
     def _report(self) -> Verdict:
         verdict = self.verdict
-        if (verdict.kind, verdict.addresses) != (self._reported.kind, self._reported.addresses):
+        changed = (verdict.kind, verdict.addresses) != (self._reported.kind, self._reported.addresses)
+        if changed or not self._checked:
             log.info(
                 "reachability.verdict",
                 kind=verdict.kind.name,
                 addresses=[f"{h}:{p}" for h, p in verdict.addresses],
                 reason=verdict.reason,
             )
-        self._reported = verdict
+        self._reported, self._checked = verdict, True
+        if changed and self.on_change is not None:
+            self.on_change(verdict)
         return verdict

@@ -17,6 +17,15 @@ Layout of a value (all integers big-endian)::
     | capacity u32 | price u64 | issued_at u64 | expires_at u64 | seq u64 | Ed25519 signature (64)
 
 The signature covers ``SIGNING_CONTEXT + everything before it``.
+
+A second record type lives in the same namespace: a ``HelperRecord`` says "this public node answers reachability
+probes (``p2p.reachability``) on UDP at this address". Its key hashes the peer id under another domain, so it never
+collides with a host record; its value starts with its own magic and has its own signing context::
+
+    magic "MSH1" | peer id (u8 len + bytes) | quic addr (u8 len + ASCII, empty = withdrawn)
+    | issued_at u64 | expires_at u64 | seq u64 | Ed25519 signature (64)
+
+``validate`` accepts either type (the DHT's namespace validator uses it); ``decode_and_validate`` only host records.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from p2p.identity import Identity, IdentityError, PeerId
 NAMESPACE = "moeswarm"
 MAGIC = b"MSR1"
 SIGNING_CONTEXT = b"moeswarm/host-record/v1\n"
+HELPER_MAGIC = b"MSH1"
+HELPER_SIGNING_CONTEXT = b"moeswarm/helper-record/v1\n"
 SIGNATURE_BYTES = 64
 MAX_RANGES = 64
 MAX_QUIC_ADDR_BYTES = 255
@@ -43,6 +54,7 @@ MAX_LIFETIME = 24 * 3600  # libp2p stores values for 24 h; a longer promise coul
 MAX_CLOCK_SKEW = 60  # seconds a record's issued_at may lie in the future of our clock
 _U16, _U32, _U64 = 0xFFFF, 0xFFFF_FFFF, 0xFFFF_FFFF_FFFF_FFFF
 _TAIL = struct.Struct(">IQQQQ")  # capacity, price, issued_at, expires_at, seq
+_HELPER_TAIL = struct.Struct(">QQQ")  # issued_at, expires_at, seq
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -215,6 +227,9 @@ class HostRecord:
     def is_live(self, now: float) -> bool:
         return not self.hosted.is_tombstone and now < self.expires_at
 
+    def describe(self) -> str:
+        return f"record of peer {self.peer_id} for model {self.hosted.model_digest[:12]}.. layer {self.hosted.layer}"
+
     def body(self) -> bytes:
         """The canonical unsigned encoding (what the signature covers, after SIGNING_CONTEXT)."""
         return self._body
@@ -255,6 +270,71 @@ def issue(identity: Identity, hosted: HostedSlice, *, now: float, ttl: float, se
     issued_at = int(now)
     record = HostRecord(identity.peer_id, hosted, issued_at, issued_at + max(1, int(ttl)), seq)
     return record, sign(identity, record)
+
+
+# --- reachability helpers -------------------------------------------------------------------------------------------
+
+
+def helper_key(peer_id: PeerId) -> str:
+    """The DHT key of peer_id's helper record: ``/moeswarm/`` + 200 bits of hash (50 bytes, see ``value_key``)."""
+    digest = hashlib.sha256(b"moeswarm/helper\0" + peer_id.raw).digest()[:25]
+    return f"/{NAMESPACE}/" + base64.b32encode(digest).decode("ascii").lower()
+
+
+@dataclass(frozen=True)
+class HelperRecord:
+    """A public node that answers reachability probes on its UDP (QUIC) socket at ``quic_addr``, signed by it and
+    valid in [issued_at, expires_at). ``quic_addr`` None is a tombstone: the node withdrew."""
+
+    peer_id: PeerId
+    quic_addr: str | None
+    issued_at: int
+    expires_at: int
+    seq: int
+    _body: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer_id, PeerId):
+            raise MalformedRecord("a helper record needs a PeerId")
+        if self.quic_addr is not None:
+            _check_quic_addr(self.quic_addr)
+        for name in ("issued_at", "expires_at", "seq"):
+            _check_uint(name, getattr(self, name), _U64)
+        if not 0 < self.expires_at - self.issued_at <= MAX_LIFETIME:
+            raise MalformedRecord(f"lifetime {self.expires_at - self.issued_at}s must be in 1..{MAX_LIFETIME}s")
+        quic = (self.quic_addr or "").encode()
+        body = HELPER_MAGIC + bytes([len(self.peer_id.raw)]) + self.peer_id.raw + bytes([len(quic)]) + quic
+        object.__setattr__(self, "_body", body + _HELPER_TAIL.pack(self.issued_at, self.expires_at, self.seq))
+
+    @property
+    def key(self) -> str:
+        return helper_key(self.peer_id)
+
+    def is_live(self, now: float) -> bool:
+        return self.quic_addr is not None and now < self.expires_at
+
+    def describe(self) -> str:
+        return f"helper record of peer {self.peer_id}"
+
+    def body(self) -> bytes:
+        """The canonical unsigned encoding (what the signature covers, after HELPER_SIGNING_CONTEXT)."""
+        return self._body
+
+    def address(self) -> tuple[str, int]:
+        """``quic_addr`` as (host, port), IPv6 brackets removed."""
+        if self.quic_addr is None:
+            raise ValueError(f"the helper record of {self.peer_id} is a tombstone")
+        host, _, port = self.quic_addr.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+def issue_helper(
+    identity: Identity, quic_addr: str | None, *, now: float, ttl: float, seq: int
+) -> tuple[HelperRecord, bytes]:
+    """identity's helper record at quic_addr (None: a tombstone) for [now, now + ttl), and its signed value."""
+    issued_at = int(now)
+    record = HelperRecord(identity.peer_id, quic_addr, issued_at, issued_at + max(1, int(ttl)), seq)
+    return record, record.body() + identity.sign(HELPER_SIGNING_CONTEXT + record.body())
 
 
 class _Reader:
@@ -318,23 +398,66 @@ def decode(value: bytes) -> tuple[HostRecord, bytes]:
     return HostRecord(peer_id, hosted, issued_at, expires_at, seq), signature
 
 
+def decode_helper(value: bytes) -> tuple[HelperRecord, bytes]:
+    """Parse a helper record value into its record and signature (structure and field ranges only)."""
+    if len(value) > MAX_RECORD_BYTES:
+        raise RecordTooLarge(f"record has {len(value)} bytes, the limit is {MAX_RECORD_BYTES}")
+    r = _Reader(bytes(value))
+    if r.take(len(HELPER_MAGIC), "magic") != HELPER_MAGIC:
+        raise MalformedRecord(f"record does not start with {HELPER_MAGIC!r} (not a moeswarm helper record v1)")
+    peer_id = r.peer_id(r.u8("peer id length"), "peer id")
+    quic = r.text(r.u8("quic address length"), "quic address") or None
+    issued_at, expires_at, seq = _HELPER_TAIL.unpack(r.take(_HELPER_TAIL.size, "fixed fields"))
+    signature = r.take(SIGNATURE_BYTES, "signature")
+    if r.pos != len(r.data):
+        raise MalformedRecord(f"{len(r.data) - r.pos} trailing bytes after the signature")
+    return HelperRecord(peer_id, quic, issued_at, expires_at, seq), signature
+
+
 def decode_and_validate(key: str, value: bytes, now: float) -> HostRecord:
-    """The record stored under key, if value is acceptable there at time now; else a RecordError.
+    """The host record stored under key, if value is acceptable there at time now; else a RecordError.
 
     Checks, in order: size (before parsing), structure, signature, key (namespace, peer, slot), time.
     A tombstone is a valid record: callers drop it from results but let it replace older records.
     """
+    _check_size_and_namespace(key, value)
+    record, signature = decode(value)
+    _check_signed(key, value, record, signature, SIGNING_CONTEXT, now)
+    return record
+
+
+def validate(key: str, value: bytes, now: float) -> HostRecord | HelperRecord:
+    """Either record type stored under key (told apart by its magic), with every check of its type."""
+    _check_size_and_namespace(key, value)
+    if bytes(value[: len(HELPER_MAGIC)]) != HELPER_MAGIC:
+        return decode_and_validate(key, value, now)
+    record, signature = decode_helper(value)
+    _check_signed(key, value, record, signature, HELPER_SIGNING_CONTEXT, now)
+    return record
+
+
+def expires_at_of(value: bytes) -> int:
+    """When a value of either type expires (structure checked, signature not)."""
+    if bytes(value[: len(HELPER_MAGIC)]) == HELPER_MAGIC:
+        return decode_helper(value)[0].expires_at
+    return decode(value)[0].expires_at
+
+
+def _check_size_and_namespace(key: str, value: bytes) -> None:
     if len(value) > MAX_RECORD_BYTES:
         raise RecordTooLarge(f"record has {len(value)} bytes, the limit is {MAX_RECORD_BYTES}")
     if not key.startswith(f"/{NAMESPACE}/"):
         raise KeyMismatch(f"key {key[:80]!r} is outside the /{NAMESPACE}/ namespace")
-    record, signature = decode(value)
-    if not record.peer_id.verify(SIGNING_CONTEXT + value[:-SIGNATURE_BYTES], signature):
+
+
+def _check_signed(
+    key: str, value: bytes, record: HostRecord | HelperRecord, signature: bytes, context: bytes, now: float
+) -> None:
+    if not record.peer_id.verify(context + value[:-SIGNATURE_BYTES], signature):
         raise BadSignature(f"signature does not verify for peer {record.peer_id}")
     if key != record.key:
         raise KeyMismatch(
-            f"key {key[:120]!r} does not match the record of peer {record.peer_id} for "
-            f"model {record.hosted.model_digest[:12]}.. layer {record.hosted.layer} (expected {record.key!r})"
+            f"key {key[:120]!r} does not match the {record.describe()} (expected {record.key!r})"
         )
     if now >= record.expires_at:
         raise RecordExpired(f"record of peer {record.peer_id} expired {now - record.expires_at:.0f}s ago")
@@ -343,7 +466,6 @@ def decode_and_validate(key: str, value: bytes, now: float) -> HostRecord:
             f"record of peer {record.peer_id} is issued {record.issued_at - now:.0f}s in the future "
             f"(more than the {MAX_CLOCK_SKEW}s clock skew we allow)"
         )
-    return record
 
 
 def select_best(key: str, values: Sequence[bytes], now: float) -> int:
@@ -354,7 +476,7 @@ def select_best(key: str, values: Sequence[bytes], now: float) -> int:
     best, best_rank = 0, None
     for index, value in enumerate(values):
         try:
-            record = decode_and_validate(key, value, now)
+            record = validate(key, value, now)
         except RecordError:
             continue
         rank = (record.seq, record.expires_at)

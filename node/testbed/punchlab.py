@@ -15,14 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from p2p.holepunch import HolePunch
 from p2p.holepunch_edge import PathManager
 from p2p.identity import Identity, PeerId
+from p2p.nat import NatTraversal
 from p2p.paths import PathState
 from p2p.quic import Endpoint
-from p2p.reachability import NatKind, Reachability, ReachabilityConfig
+from p2p.reachability import NatKind, ReachabilityConfig
 from p2p.reachability_edge import ReachabilityService
-from p2p.udp_edge import EndpointTap
 from relay.client import Backoff, RelayClient, attach
 from relay.server import RelayServer
 
@@ -58,21 +57,28 @@ class NetnsLoop:
 
 @dataclass
 class NatNode:
-    """One peer under test: endpoint, reachability, relay link and path manager, all on one UDP socket."""
+    """One peer under test: endpoint, NAT traversal (reachability + path manager) and relay link, one UDP socket."""
 
     endpoint: Endpoint
-    reach: ReachabilityService
+    nat: NatTraversal
     link: RelayClient
-    manager: PathManager
     relay_address: Any
 
     @property
     def peer(self) -> PeerId:
         return self.endpoint.peer_id
 
+    @property
+    def reach(self) -> ReachabilityService:
+        return self.nat.reach
+
+    @property
+    def manager(self) -> PathManager:
+        assert self.nat.manager is not None
+        return self.nat.manager
+
     async def close(self) -> None:
-        await self.manager.close()
-        await self.reach.close()
+        await self.nat.close()
         await self.link.close()
         await self.endpoint.close()
 
@@ -80,14 +86,13 @@ class NatNode:
 async def make_node(relay_url: str, publics: list[tuple[PeerId, tuple[str, int]]]) -> NatNode:
     identity = Identity.generate()
     endpoint = await Endpoint.bind(identity, "0.0.0.0", 0, handler=echo, idle_timeout=10)
-    tap = EndpointTap(endpoint)
-    reach = ReachabilityService(tap, Reachability(identity, CONFIG), peers=lambda: publics)
+    nat = NatTraversal(endpoint, identity, helpers=lambda: publics, config=CONFIG)
     link = RelayClient(identity, relay_url, backoff=Backoff(first=0.05, cap=0.5))
     path = attach(endpoint, link)
     link.start()
     await link.wait_connected(10)
-    manager = PathManager(tap, link, HolePunch(identity), verdict=lambda: reach.verdict, auto=False)
-    return NatNode(endpoint, reach, link, manager, path.address)
+    nat.attach_relay(link, initiate=False)
+    return NatNode(endpoint, nat, link, path.address)
 
 
 @contextmanager
@@ -95,17 +100,16 @@ def punch_lab(rtt_ms: float = 0.0):
     """The testbed with a relay and four public reachability servers; yields (testbed, loops, relay url, publics)."""
     with Testbed(rtt_ms=rtt_ms, routers=("cone", "symmetric", "cone")) as tb:
         loops = {role: NetnsLoop(tb, role) for role in (*PUBLIC, "worker-a", "worker-b", "worker-c")}
-        servers: list[tuple[Endpoint, ReachabilityService]] = []
+        servers: list[tuple[Endpoint, NatTraversal]] = []
         relay = RelayServer(Identity.generate())
         try:
             loops["pub-relay"].run(relay.start("0.0.0.0", RELAY_PORT))
             identities = {role: Identity.generate() for role in PUBLIC}
             publics = [(identities[r].peer_id, (tb.addr(r), QUIC_PORT)) for r in PUBLIC]
 
-            async def serve(identity: Identity) -> tuple[Endpoint, ReachabilityService]:
+            async def serve(identity: Identity) -> tuple[Endpoint, NatTraversal]:
                 endpoint = await Endpoint.bind(identity, "0.0.0.0", QUIC_PORT, handler=echo)
-                reach = Reachability(identity, CONFIG)
-                return endpoint, ReachabilityService(EndpointTap(endpoint), reach, peers=lambda: publics)
+                return endpoint, NatTraversal(endpoint, identity, helpers=lambda: publics, config=CONFIG)
 
             servers = [loops[r].run(serve(identities[r])) for r in PUBLIC]
             yield tb, loops, f"ws://{tb.addr('pub-relay')}:{RELAY_PORT}/relay", publics

@@ -16,6 +16,7 @@ from experts.moe import Partition, grouped_moe, partial_sum
 from experts.slices import ExpertStore
 from experts.verify import record_verdict
 from node.backbone import RemoteMoE
+from node.streaming import serial
 from node.worker import Worker
 from p2p import wire
 from p2p.discovery import InMemoryBoard, InMemoryDiscovery
@@ -41,7 +42,7 @@ async def start_swarm(model: GGUFModel, ranges, board):
     return workers
 
 
-async def run_remote(model, ranges, codec=Codec.F32, kill_after=None):
+async def run_remote(model, ranges, codec=Codec.F32, kill_after=None, overlap=True):
     board = InMemoryBoard()
     workers = await start_swarm(model, ranges, board)
     ident = Identity.generate()
@@ -52,7 +53,7 @@ async def run_remote(model, ranges, codec=Codec.F32, kill_after=None):
     await moe.refresh(model.layers)
     bb = Backbone(model)
     try:
-        logits = await asyncio.to_thread(bb.forward, TOKENS, KVCache(), moe.hook)
+        logits = await asyncio.to_thread(bb.forward, TOKENS, KVCache(), moe.hook if overlap else serial(moe.hook))
     finally:
         await ep.close()
         for w, wep, _ in workers:
@@ -74,6 +75,18 @@ def test_f32_remote_logits_are_bit_identical_to_local_grouping(model_dir, arch):
     s = moe.stats.summary()
     assert s["failed_dispatches"] == 0 and s["local_groups"] == 0
     assert len(s["per_peer"]) == 3 and len(moe.receipts) == s["dispatches"]
+
+
+def test_shared_expert_overlap_changes_no_bit(model_dir):
+    """Computing the shared expert during the round trip or after it gives the same logits bit for bit, and a layer's
+    fan-out time is recorded per number of hosts asked."""
+    model = GGUFModel(make_model(model_dir, "qwen2moe", n_expert=12, n_expert_used=4, n_layer=3))
+    ranges = [(0, 6), (6, 12)]
+    overlapped, moe = asyncio.run(run_remote(model, ranges))
+    waited, _ = asyncio.run(run_remote(model, ranges, overlap=False))
+    assert overlapped.tobytes() == waited.tobytes()
+    layers = moe.stats.summary()["layer_ms"]
+    assert sum(v["n"] for v in layers["by_fanout"].values()) == model.cfg.n_layer and set(layers["by_fanout"]) <= {1, 2}
 
 
 def test_f16_wire_stays_within_the_gate(model_dir):
@@ -147,7 +160,7 @@ def test_concurrent_backbones_are_batched_into_one_compute_call(model_dir):
 
     async def main():
         ident = Identity.generate()
-        worker = Worker(ident, GatedStore(model))
+        worker = Worker(ident, GatedStore(model), inline_work=0)  # compute on the pool thread, which the gate holds
         wep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
         clients = [await Endpoint.bind(Identity.generate(), "127.0.0.1", 0, handler=None) for _ in range(2)]
         rng = np.random.default_rng(0)

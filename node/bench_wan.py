@@ -1,0 +1,229 @@
+"""`moeswarm bench wan`: decoding across an emulated WAN in the real-NAT testbed, technique by technique (root).
+
+Per RTT, a fresh testbed with three public workers (a third of the experts each) and the backbone `RTT` apart:
+``naive`` (one token per forward pass, the shared expert after the round trip), ``+speculative`` (drafts verified
+in one pass), ``+overlap`` (shared expert during the round trip), ``+hot-local`` (the hottest experts at the
+backbone) = ``all``. All on the F32 wire, so every variant must produce the same tokens (reported). The bound is
+one round trip per MoE layer per token: ``1000 / (layers x RTT)`` tokens/s for plain decoding.
+
+At the largest RTT: 8 concurrent gateway sessions vs the same 8 requests one at a time (continuous batching), and a
+star check: workers 20/40/80 ms from the backbone, a layer that fans out to all three should take ~80 ms, not 140.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from experts.embedded import DEFAULT_PROMPT, EMBEDDED_MODEL
+from experts.gguf_model import GGUFModel
+
+from .bench import REFERENCE, _append_md, bench_group, message_bytes
+from .cli import emit_json
+from .launcher import Cluster
+
+WORKERS = ("pub-worker", "pub-worker-2", "pub-worker-3")
+EXPERT_RANGES = ("0-10", "11-21", "22-31")
+STAR_LINKS_MS = {"pub-worker": 20.0, "pub-worker-2": 40.0, "pub-worker-3": 80.0}
+LOCAL_EXPERTS = 8  # of 32 per layer: a quarter of the experts' memory at the backbone
+VARIANTS = {  # name -> extra `backbone generate` options; each adds one technique to the one before
+    "naive": ("--no-speculative", "--no-overlap"),
+    "speculative": ("--no-overlap",),
+    "overlap": (),
+    "all": ("--local-experts", str(LOCAL_EXPERTS)),
+}
+PROMPTS = (
+    "And the LORD said unto Moses,",
+    "In the beginning God created",
+    "And it came to pass, when",
+    "Blessed are they that",
+    "And Jesus answered and said unto them,",
+    "The LORD is my shepherd;",
+    "And the king said unto",
+    "For God so loved the world,",
+)
+
+
+def _swarm(tb, cluster):
+    """Bootstrap and the three workers; returns the swarm and the workers' peer ids (in WORKERS order)."""
+    from .testbed.nodes import SwarmInTestbed
+
+    swarm = SwarmInTestbed(tb, cluster)
+    swarm.start_bootstrap()
+    workers = [swarm.start_worker(f"w{i}", role, "--experts", experts) for i, (role, experts) in enumerate(zip(WORKERS, EXPERT_RANGES))]
+    return swarm, [w.wait_ready()["peer_id"] for w in workers]
+
+
+def decode_variants(rtt_ms: float, n_tokens: int, workdir: Path, n_moe_layers: int, prompts: tuple[str, ...]) -> dict:
+    """tokens/s of each variant over `prompts` at `rtt_ms` (backbone <-> every worker), and the plain-decoding bound."""
+    from .testbed.netns import Testbed
+
+    with Testbed(rtt_ms=rtt_ms, public_workers=3) as tb, Cluster(workdir) as cluster:
+        swarm, _ = _swarm(tb, cluster)
+        runs = {name: [swarm.generate(f"{name}{i}", prompt, n_tokens, "--wire", "f32", "--wait-hosts", "3", *extra) for i, prompt in enumerate(prompts)]
+                for name, extra in VARIANTS.items()}  # fmt: skip
+    tokens_s = {name: round(sum(r["tokens"] for r in rs) / sum(r["tokens"] / r["tokens_per_s"] for r in rs), 3) for name, rs in runs.items()}
+    bound = 1000.0 / (n_moe_layers * rtt_ms) if rtt_ms > 0 else None
+    spec = [r["speculative"] for r in runs["speculative"]]
+    return {
+        "rtt_ms": rtt_ms,
+        "tokens_s": tokens_s,
+        "speedup": {name: round(v / tokens_s["naive"], 3) for name, v in tokens_s.items() if name != "naive"},
+        "bound_tokens_s": round(bound, 3) if bound else None,
+        "of_bound": {name: round(v / bound, 3) for name, v in tokens_s.items()} if bound else None,
+        "acceptance_mean": round(sum(x["accepted"] for x in spec) / max(1, sum(x["steps"] for x in spec)), 3),  # accepted draft tokens per verify pass
+        "tokens_per_pass": round(sum(x["tokens"] for x in spec) / sum(x["forward_passes"] for x in spec), 3),
+        "local_hit_rate": round(sum(r["local_hit_rate"] for r in runs["all"]) / len(prompts), 4),
+        "identical": all(r["token_ids"] == naive["token_ids"] for rs in runs.values() for r, naive in zip(rs, runs["naive"])),
+        "failed_dispatches": sum(r["failed_dispatches"] for rs in runs.values() for r in rs),
+        "layer_ms_p50": {name: round(float(np.median([r["layer_ms"]["p50"] for r in rs])), 3) for name, rs in runs.items()},
+    }
+
+
+async def _complete(session, url: str, prompt: str, n_tokens: int) -> int:
+    body = {"model": "embedded", "prompt": prompt, "max_tokens": n_tokens, "temperature": 0}
+    async with session.post(f"{url}/completions", json=body) as resp:
+        if resp.status != 200:
+            raise click.ClickException(f"gateway answered {resp.status}: {await resp.text()}")
+        return (await resp.json())["usage"]["completion_tokens"]
+
+
+def _drive(url: str, n_tokens: int) -> dict:
+    """The 8 prompts one at a time, then all at once; aggregate tokens/s of each (runs inside the backbone's namespace)."""
+    import aiohttp
+
+    async def run() -> dict:
+        timeout = aiohttp.ClientTimeout(total=900)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await _complete(session, url, PROMPTS[0], 4)  # warm-up: connections, caches
+            t0 = time.perf_counter()
+            one = [await _complete(session, url, p, n_tokens) for p in PROMPTS]
+            t1 = time.perf_counter()
+            many = await asyncio.gather(*(_complete(session, url, p, n_tokens) for p in PROMPTS))
+            t2 = time.perf_counter()
+        return {"one_session_tokens_s": round(sum(one) / (t1 - t0), 3), "sessions8_tokens_s": round(sum(many) / (t2 - t1), 3)}
+
+    return asyncio.run(run())
+
+
+def sessions(rtt_ms: float, n_tokens: int, workdir: Path) -> dict:
+    """Continuous batching through the gateway: 8 concurrent sessions vs one at a time, without speculation (each
+    pass then yields one token per session, so the ratio is the batching alone) and with it."""
+    from .testbed.netns import Testbed
+
+    out = {}
+    with Testbed(rtt_ms=rtt_ms, public_workers=3) as tb, Cluster(workdir) as cluster:
+        swarm, _ = _swarm(tb, cluster)
+        for name, extra in (("plain", ("--no-speculative",)), ("speculative", ())):
+            gw = swarm.start(f"gateway-{name}", "backbone", "backbone", "serve", *swarm.backbone_args(), "--http", f"{tb.addr('backbone')}:0",
+                             "--wire", "f32", "--wait-hosts", "3", "--served-model-name", "embedded", *extra)  # fmt: skip
+            got = tb.call("backbone", _drive, gw.wait_ready(120)["base_url"], n_tokens)
+            gw.stop()
+            out[name] = {**got, "ratio": round(got["sessions8_tokens_s"] / got["one_session_tokens_s"], 3)}
+    return out
+
+
+def star(n_tokens: int, workdir: Path) -> dict:
+    """Workers 20/40/80 ms from the backbone: the median layer that fanned out to all three, against the slowest
+    worker's RTT as configured and as measured (its median dispatch round trip, which includes its compute)."""
+    from .testbed.netns import Testbed
+
+    links = {"backbone": 0.0, **STAR_LINKS_MS}
+    with Testbed(rtt_ms=0, links=links, public_workers=3) as tb, Cluster(workdir) as cluster:
+        swarm, peers = _swarm(tb, cluster)
+        run = swarm.generate("star", DEFAULT_PROMPT, n_tokens, "--wire", "f32", "--wait-hosts", "3", "--no-speculative")
+        rtts = [tb.rtt("backbone", role) for role in WORKERS]
+    fanned = run["layer_ms"]["by_fanout"].get("3")
+    if not fanned:
+        raise click.ClickException("no layer fanned out to all three workers; generate more tokens")
+    slowest = run["rtt_ms_by_peer"][peers[rtts.index(max(rtts))]]
+    return {"rtts_ms": rtts, "layer_ms": fanned["p50"], "layers": fanned["n"], "max_rtt_ms": max(rtts), "sum_rtt_ms": sum(rtts), "ratio": round(fanned["p50"] / max(rtts), 3),
+            "slowest_dispatch_ms": slowest, "ratio_to_slowest_dispatch": round(fanned["p50"] / slowest, 3), "failed_dispatches": run["failed_dispatches"]}  # fmt: skip
+
+
+def plot(by_rtt: list[dict], bytes_per_codec: dict, out_dir: Path) -> list[str]:
+    """tokens/s vs RTT per technique (with the bound), and wire bytes per codec; returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rtts = [r["rtt_ms"] for r in by_rtt]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, label in (("naive", "naive"), ("speculative", "+ speculative"), ("overlap", "+ overlap"), ("all", "+ hot-local (all)")):
+        ax.plot(rtts, [r["tokens_s"][name] for r in by_rtt], marker="o", label=label)
+    bounded = [(r["rtt_ms"], r["bound_tokens_s"]) for r in by_rtt if r["bound_tokens_s"]]
+    if bounded:
+        ax.plot(*zip(*bounded), linestyle="--", marker="x", color="grey", label="plain-decoding bound: 1 / (MoE layers x RTT)")
+    ax.set(xlabel="RTT backbone <-> workers (ms)", ylabel="tokens/s", yscale="log", title="Embedded model across the emulated WAN")
+    ax.legend()
+    fig.tight_layout()
+    tokens_png = out_dir / "wan_tokens_s.png"
+    fig.savefig(tokens_png, dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(bytes_per_codec)
+    ax.bar(names, [bytes_per_codec[n] for n in names])
+    ax.set(ylabel="bytes per token per layer", title="Wire bytes, reference config (hidden 3072, top-8)")
+    ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    bytes_png = out_dir / "wan_bytes.png"
+    fig.savefig(bytes_png, dpi=120)
+    plt.close("all")
+    return [str(tokens_png), str(bytes_png)]
+
+
+@bench_group.command("wan")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--rtt-ms", "rtts", default="0,20,80", show_default=True, help="Comma-separated RTTs between the backbone and the workers.")
+@click.option("--tokens", "n_tokens", default=32, show_default=True, help="Tokens per decoding run.")
+@click.option("--prompts", "n_prompts", default=3, show_default=True, type=click.IntRange(1, len(PROMPTS)), help="Prompts per variant (tokens/s is over all of them).")
+@click.option("--session-tokens", default=24, show_default=True, help="Tokens per gateway request in the sessions check.")
+@click.option("--star-tokens", default=16, show_default=True)
+@click.option("--plots", "plot_dir", type=click.Path(file_okay=False), default=None, help="Write PNG plots into this directory.")
+@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
+def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_tokens: int, star_tokens: int, plot_dir: str | None, write_md: str | None) -> None:
+    """Tokens/s vs RTT per technique, 8 sessions vs 1, parallel-star layer time (embedded model, testbed; root only)."""
+    from .testbed.netns import require_root
+
+    require_root()
+    try:
+        rtt_list = sorted(float(x) for x in rtts.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{rtts!r}: expected comma-separated numbers of ms, e.g. 0,20,80", param_hint="--rtt-ms") from None
+    model = GGUFModel(EMBEDDED_MODEL)
+    n_moe = len(model.layers)  # every layer of the embedded model is a MoE layer
+    reference = message_bytes(REFERENCE["n_embd"], REFERENCE["n_expert_used"])
+    with tempfile.TemporaryDirectory(prefix="moeswarm-wan-") as tmp:
+        by_rtt = [decode_variants(rtt, n_tokens, Path(tmp) / f"rtt{rtt:g}", n_moe, PROMPTS[:n_prompts]) for rtt in rtt_list]
+        top = by_rtt[-1]
+        result = {
+            **top,
+            "sessions8_aggregate_ratio": None,
+            "sessions": sessions(top["rtt_ms"], session_tokens, Path(tmp) / "sessions"),
+            "star": star(star_tokens, Path(tmp) / "star"),
+            "bytes_per_token_per_layer": {"f16": reference["partial_f16"]["total"], "int8": reference["partial_int8"]["total"], "f32": reference["partial_f32"]["total"], "raw_f32": reference["raw_f32"]["total"]},
+            "moe_layers": n_moe,
+            "by_rtt": by_rtt,
+        }
+    result["sessions8_aggregate_ratio"] = result["sessions"]["plain"]["ratio"]
+    if plot_dir:
+        result["plots"] = plot(by_rtt, result["bytes_per_token_per_layer"], Path(plot_dir))
+    command = f"moeswarm bench wan --json --rtt-ms {rtts} --tokens {n_tokens} --prompts {n_prompts}" + (f" --plots {plot_dir}" if plot_dir else "")
+    if write_md:
+        _append_md(write_md, command, result)
+    if as_json:
+        emit_json(result)
+        return
+    for r in by_rtt:
+        click.echo(f"RTT {r['rtt_ms']:g} ms: " + ", ".join(f"{k} {v} tokens/s" for k, v in r["tokens_s"].items()) + f" (bound {r['bound_tokens_s']})")
+    s = result["star"]
+    click.echo(f"8 sessions: {result['sessions8_aggregate_ratio']}x one session; star layer {s['layer_ms']} ms vs max RTT {s['max_rtt_ms']} ms ({s['ratio']}x)")
+
+
+__all__ = ["bench_wan"]
