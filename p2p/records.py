@@ -373,14 +373,19 @@ class _Reader:
         return peer
 
 
-def decode(value: bytes) -> tuple[HostRecord, bytes]:
-    """Parse a value into its record and signature, checking structure and field ranges only."""
+def _open(value: bytes, magic: bytes, kind: str) -> tuple[_Reader, PeerId]:
+    """A reader past a record's magic and peer id, once its size is known to be within the limit."""
     if len(value) > MAX_RECORD_BYTES:
         raise RecordTooLarge(f"record has {len(value)} bytes, the limit is {MAX_RECORD_BYTES}")
     r = _Reader(bytes(value))
-    if r.take(len(MAGIC), "magic") != MAGIC:
-        raise MalformedRecord(f"record does not start with {MAGIC!r} (not a moeswarm host record v1)")
-    peer_id = r.peer_id(r.u8("peer id length"), "peer id")
+    if r.take(len(magic), "magic") != magic:
+        raise MalformedRecord(f"record does not start with {magic!r} (not a moeswarm {kind} record v1)")
+    return r, r.peer_id(r.u8("peer id length"), "peer id")
+
+
+def decode(value: bytes) -> tuple[HostRecord, bytes]:
+    """Parse a value into its record and signature, checking structure and field ranges only."""
+    r, peer_id = _open(value, MAGIC, "host")
     digest = r.take(32, "model digest").hex()
     layer = r.u16("layer")
     ranges = tuple((r.u16("range start"), r.u16("range stop")) for _ in range(r.u8("range count")))
@@ -400,12 +405,7 @@ def decode(value: bytes) -> tuple[HostRecord, bytes]:
 
 def decode_helper(value: bytes) -> tuple[HelperRecord, bytes]:
     """Parse a helper record value into its record and signature (structure and field ranges only)."""
-    if len(value) > MAX_RECORD_BYTES:
-        raise RecordTooLarge(f"record has {len(value)} bytes, the limit is {MAX_RECORD_BYTES}")
-    r = _Reader(bytes(value))
-    if r.take(len(HELPER_MAGIC), "magic") != HELPER_MAGIC:
-        raise MalformedRecord(f"record does not start with {HELPER_MAGIC!r} (not a moeswarm helper record v1)")
-    peer_id = r.peer_id(r.u8("peer id length"), "peer id")
+    r, peer_id = _open(value, HELPER_MAGIC, "helper")
     quic = r.text(r.u8("quic address length"), "quic address") or None
     issued_at, expires_at, seq = _HELPER_TAIL.unpack(r.take(_HELPER_TAIL.size, "fixed fields"))
     signature = r.take(SIGNATURE_BYTES, "signature")
