@@ -162,7 +162,7 @@ def plot(by_rtt: list[dict], bytes_per_codec: dict, out_dir: Path) -> list[str]:
     if bounded:
         ax.plot(*zip(*bounded), linestyle="--", marker="x", color="grey", label="plain-decoding bound: 1 / (MoE layers x RTT)")
     ax.set(xlabel="RTT backbone <-> workers (ms)", ylabel="tokens/s", yscale="log", title="Embedded model across the emulated WAN")
-    ax.legend()
+    ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     tokens_png = out_dir / "wan_tokens_s.png"
     fig.savefig(tokens_png, dpi=120)
