@@ -36,7 +36,7 @@ def punch_stats(rtt_ms: float, attempts: int) -> dict:
 
 
 def path_throughput(rtt_ms: float, n_tokens: int, workdir: Path, relay_link_ms: float) -> dict:
-    """The same generation with every expert on one worker `rtt_ms` away from the backbone: once dialled directly,
+    """The same generation (F32 wire) with every expert on one worker `rtt_ms` away from the backbone: once dialled directly,
     once behind a symmetric NAT through the relay. `relay_link_ms` places the relay: 0 is next to the backbone (a
     provider's edge, as a CDN would put it), rtt_ms / 2 is mid-WAN (each relayed round trip crosses the WAN twice)."""
     from .testbed.netns import Testbed
@@ -51,7 +51,7 @@ def path_throughput(rtt_ms: float, n_tokens: int, workdir: Path, relay_link_ms: 
         for path, role in (("direct", "pub-worker"), ("relay", "worker-b")):
             worker = swarm.start_worker(f"worker-{path}", role, relayed=path == "relay")
             worker.wait_ready()
-            results[path] = swarm.generate(f"bb-{path}", DEFAULT_PROMPT, n_tokens, "--no-speculative", "--timeout", "10")
+            results[path] = swarm.generate(f"bb-{path}", DEFAULT_PROMPT, n_tokens, "--no-speculative", "--wire", "f32", "--timeout", "10")
             worker.stop()
     d, r = results["direct"], results["relay"]
     return {

@@ -55,7 +55,7 @@ def test_direct_relayed_and_punched_workers_generate_exactly_the_local_text(tmp_
         ]
         infos += [w.wait_ready() for w in nat_workers]
         bb_ip = tb.addr("backbone")
-        out = tb.run("backbone", *cluster_cmd(), "--log-level", "info", "backbone", "generate", *common, "--tokens", str(TOKENS), "--wait-hosts", "3", "--json",
+        out = tb.run("backbone", *cluster_cmd(), "--log-level", "info", "backbone", "generate", *common, "--tokens", str(TOKENS), "--wait-hosts", "3", "--wire", "f32", "--json",
                      "--listen", f"{bb_ip}:0", "--dht-listen", f"{bb_ip}:0", "--data-dir", str(tmp_path / "bb"), PROMPT,
                      capture_output=True, text=True, timeout=300)
         (tmp_path / "backbone.log").write_text(out.stderr)
