@@ -49,7 +49,7 @@ def path_throughput(rtt_ms: float, n_tokens: int, workdir: Path, relay_link_ms: 
         swarm.start_bootstrap()
         swarm.start_relay()
         for path, role in (("direct", "pub-worker"), ("relay", "worker-b")):
-            worker = swarm.start_worker(f"worker-{path}", role, relayed=path == "relay")
+            worker = swarm.start_worker(f"worker-{path}", role, path="relay-only" if path == "relay" else "direct")
             worker.wait_ready()
             results[path] = swarm.generate(f"bb-{path}", DEFAULT_PROMPT, n_tokens, "--no-speculative", "--wire", "f32", "--timeout", "10")
             worker.stop()

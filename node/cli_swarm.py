@@ -57,10 +57,11 @@ def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ..
 @click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative).")
 @click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
 @click.option("--relay", default=None, help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable. The worker then checks its reachability against the DHT's helpers: public -> it also announces a direct QUIC address; behind NAT -> only the relay, and backbones hole-punch to it (not behind a symmetric NAT).")
+@click.option("--reachability-recheck", "recheck_s", default=300.0, show_default=True, type=click.FloatRange(min=1), help="With --relay: seconds between reachability re-checks; a changed verdict is re-announced (e.g. after a port forward).")
 @click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay).")
 @data_dir_opt
 @ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, no_ledger, relay, relay_only, data_dir, ready_file) -> None:
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, no_ledger, relay, recheck_s, relay_only, data_dir, ready_file) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
@@ -82,6 +83,7 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         max_datagram=max_datagram,
         relay=relay,
         relay_only=relay_only,
+        recheck_s=recheck_s,
     )
     if relay_only and not relay:
         raise click.UsageError("--relay-only needs --relay URL")

@@ -22,6 +22,7 @@ from p2p.discovery import CachedDiscovery
 from p2p.helpers import NodeReachability, helper_address, serve_helper
 from p2p.identity import Identity
 from p2p.nat import announced_address
+from p2p.reachability import Verdict
 from p2p.quic import Endpoint
 from p2p.records import HostedSlice, RelayAddress
 from relay.client import RelayClient, attach
@@ -53,6 +54,7 @@ class WorkerOptions:
     reprice_s: float = 60.0
     relay: str | None = None  # ws(s)://HOST:PORT/relay: also reachable through this relay; check reachability
     relay_only: bool = False  # announce the relay address only, skip the check, answer no punch (relay path only)
+    recheck_s: float = 300.0  # with a relay: seconds between reachability re-checks (a change is re-announced)
 
 
 async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None) -> None:
@@ -72,7 +74,7 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
     # A worker behind a relay may be NAT-bound: it joins the DHT as a client (nobody may be able to dial it, so it
     # must not host records), also when its check finds it public.
     dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap, client_mode=bool(opts.relay))
-    reach = NodeReachability(endpoint, dht)  # answers probes on the QUIC socket in every mode
+    reach = NodeReachability(endpoint, dht, recheck=opts.recheck_s)  # answers probes on the QUIC socket in every mode
     relay_addr, relay_path = None, None
     if opts.relay:
         relay_path = attach(endpoint, RelayClient(identity, opts.relay))
@@ -103,6 +105,27 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
                 await dht.announce(slices(price))
                 log.info("worker.repriced", price=price)
 
+    async def readvertise(verdict: Verdict) -> None:
+        """A re-check changed the verdict: announce the direct address it implies (or withdraw ours)."""
+        nonlocal addr
+        new = announced_address(verdict, configured)
+        if new == addr:
+            return
+        log.info("worker.readvertised", quic=new, before=addr, reachability=verdict.kind.name.lower(), reason=verdict.reason)
+        addr = new
+        try:
+            await dht.announce(slices(worker.price))
+            await reach.announce(new)
+        except Exception as exc:  # the records keep their refresh loop; the next change or restart retries
+            log.warning("worker.readvertise_failed", error=repr(exc))
+
+    readvertising: set[asyncio.Task] = set()
+
+    def on_change(verdict: Verdict) -> None:
+        task = asyncio.ensure_future(readvertise(verdict))
+        readvertising.add(task)
+        task.add_done_callback(readvertising.discard)
+
     repricing = None
     try:
         await dht.start()
@@ -111,6 +134,7 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
             verdict = await reach.check()
             addr = announced_address(verdict, configured)
             reachability = verdict.kind.name.lower()
+            reach.nat.reach.on_change = on_change
         else:
             reachability = "relay-only" if opts.relay_only else "unchecked"  # public by configuration
         await reach.announce(addr if opts.relay else configured)  # public nodes help others check theirs
@@ -122,8 +146,9 @@ async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | 
         write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "relay": opts.relay, "reachability": reachability, "dht_addrs": dht.multiaddrs, "load": store.plan.mode, "price": worker.price, "ledger": str(ledger_path) if ledger_path else None})
         await until_stopped()
     finally:
-        if repricing:
-            repricing.cancel()
+        for task in (repricing, *readvertising):
+            if task:
+                task.cancel()
         try:
             await asyncio.wait_for(dht.withdraw(), 10)
             log.info("worker.withdrawn", peer=str(identity.peer_id))

@@ -146,11 +146,11 @@ class NodeReachability:
     record: ``announce(addr)`` once the node knows it is publicly reachable at ``addr``; ``close()`` withdraws it."""
 
     def __init__(
-        self, endpoint: Endpoint, board: HelperBoard, *, config: ReachabilityConfig = ReachabilityConfig()
+        self, endpoint: Endpoint, board: HelperBoard, *, config: ReachabilityConfig = ReachabilityConfig(), recheck: float = 300.0
     ) -> None:
         self.board = board
         self.directory = HelperDirectory(board, endpoint.peer_id)
-        self.nat = NatTraversal(endpoint, endpoint.identity, helpers=self.directory.peers, config=config)
+        self.nat = NatTraversal(endpoint, endpoint.identity, helpers=self.directory.peers, config=config, recheck=recheck)
         self.announced: str | None = None
 
     def start(self) -> None:
@@ -165,8 +165,8 @@ class NodeReachability:
         return verdict
 
     async def announce(self, quic_addr: str | None) -> None:
-        """Announce this node as a helper at ``quic_addr`` (None: nothing to announce)."""
-        if quic_addr is not None and quic_addr != self.announced:
+        """Announce this node as a helper at ``quic_addr``; None withdraws an earlier announcement (no longer public)."""
+        if quic_addr != self.announced:
             await self.board.announce_helper(quic_addr)
             self.announced = quic_addr
 

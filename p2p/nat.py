@@ -49,11 +49,14 @@ class NatTraversal:
         *,
         helpers: PeerList,
         config: ReachabilityConfig = ReachabilityConfig(),
+        recheck: float = 300.0,
     ) -> None:
         self.endpoint = endpoint
         self.identity = identity
         self.tap = EndpointTap(endpoint)
-        self.reach = ReachabilityService(self.tap, Reachability(identity, config), peers=helpers)
+        # `recheck`: seconds between full checks in the background (the mapping is refreshed at most every 20 s)
+        core = Reachability(identity, config)
+        self.reach = ReachabilityService(self.tap, core, peers=helpers, recheck=recheck, refresh=min(20.0, recheck))
         self.manager: PathManager | None = None
         self._closed = False
 

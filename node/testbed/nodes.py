@@ -41,7 +41,9 @@ class SwarmInTestbed:
         return self.bootstrap
 
     def start_relay(self, role: str = "pub-relay") -> str:
-        self.relay_url = self.start("relay", role, "relay", "--listen", f"{self.tb.addr(role)}:{RELAY_PORT}").wait_ready()["url"]
+        """The relay, also a reachability helper (announced in the DHT) once the bootstrap node runs."""
+        helper = ("--bootstrap", self.bootstrap) if self.bootstrap else ()
+        self.relay_url = self.start("relay", role, "relay", "--listen", f"{self.tb.addr(role)}:{RELAY_PORT}", *helper).wait_ready()["url"]
         return self.relay_url
 
     @property
@@ -50,13 +52,16 @@ class SwarmInTestbed:
             raise TestbedError("start the bootstrap node first")
         return ("--model", str(self.model), "--bootstrap", self.bootstrap)
 
-    def start_worker(self, name: str, role: str, *extra: str, relayed: bool = False) -> NodeProcess:
-        """A worker in `role`: public ones listen on their WAN address, `relayed` ones announce only the relay."""
+    def start_worker(self, name: str, role: str, *extra: str, path: str = "direct") -> NodeProcess:
+        """A worker in `role` that is reached `path`: "direct" listens on its address and announces it; "relay"
+        checks its reachability and announces the relay unless it finds itself public; "relay-only" is always
+        reached through the relay. The QUIC port is QUIC_PORT in every case (so a router can forward it)."""
         ip = self.tb.addr(role)
-        if relayed:
-            where = ("--relay", self.relay_url or "", "--relay-only")
-        else:
-            where = ("--listen", f"{ip}:{QUIC_PORT}")
+        where = {
+            "direct": ("--listen", f"{ip}:{QUIC_PORT}"),
+            "relay": ("--relay", self.relay_url or "", "--listen", f"0.0.0.0:{QUIC_PORT}"),
+            "relay-only": ("--relay", self.relay_url or "", "--relay-only", "--listen", f"0.0.0.0:{QUIC_PORT}"),
+        }[path]
         return self.start(name, role, "worker", *self.common, *where, "--dht-listen", f"{ip}:0", *extra)
 
     def backbone_args(self, role: str = "backbone") -> tuple[str, ...]:

@@ -6,7 +6,7 @@ import os
 import shutil
 
 
-def testbed_unavailable() -> str | None:
+def why_no_testbed() -> str | None:
     """Why the testbed cannot run here, or None when it can."""
     if os.geteuid() != 0:
         return "the testbed needs root (network namespaces, iptables); CI runs as root"

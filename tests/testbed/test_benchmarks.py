@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from .conftest import testbed_unavailable
+from .conftest import why_no_testbed
 
-pytestmark = pytest.mark.skipif(testbed_unavailable() is not None, reason=testbed_unavailable() or "")
+pytestmark = pytest.mark.skipif(why_no_testbed() is not None, reason=why_no_testbed() or "")
 
 
 def moeswarm(*args: str, timeout: float = 900) -> dict:

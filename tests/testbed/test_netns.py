@@ -19,10 +19,10 @@ import pytest
 from node.testbed import DelayDaemonDied, Testbed, list_netns, stale, teardown
 from node.testbed.netns import state_file
 
-from .conftest import testbed_unavailable
+from .conftest import why_no_testbed
 
 
-pytestmark = [pytest.mark.skipif(testbed_unavailable() is not None, reason=testbed_unavailable() or ""), pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.skipif(why_no_testbed() is not None, reason=why_no_testbed() or ""), pytest.mark.timeout(120)]
 
 PORT = 9000
 PY = [sys.executable, "-c"]

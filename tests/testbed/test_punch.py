@@ -18,10 +18,10 @@ from node.testbed.punchlab import attempt, make_node, punch_lab
 from p2p.paths import PathState
 from p2p.reachability import NatKind
 
-from .conftest import testbed_unavailable
+from .conftest import why_no_testbed
 
 
-pytestmark = [pytest.mark.skipif(testbed_unavailable() is not None, reason=testbed_unavailable() or ""), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.skipif(why_no_testbed() is not None, reason=why_no_testbed() or ""), pytest.mark.timeout(600)]
 
 ATTEMPTS = int(os.environ.get("MOESWARM_PUNCH_ATTEMPTS", "5"))
 RTT_MS = float(os.environ.get("MOESWARM_PUNCH_RTT_MS", "0"))

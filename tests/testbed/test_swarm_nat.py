@@ -8,7 +8,6 @@ find out what they are behind by themselves (no --relay-only).
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -21,46 +20,36 @@ from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.launcher import Cluster
 
-from .conftest import testbed_unavailable
+from .conftest import why_no_testbed
 
-pytestmark = pytest.mark.skipif(testbed_unavailable() is not None, reason=testbed_unavailable() or "")
+pytestmark = pytest.mark.skipif(why_no_testbed() is not None, reason=why_no_testbed() or "")
 RANGES = ((0, 11), (11, 21), (21, 32))
 PROMPT = "And God said"
 TOKENS = 48  # the punch (~0.35 s at 10 ms RTT) lands early in the generation, leaving most dispatches direct
 
 
+def local_tokens(ranges: tuple[tuple[int, int], ...], n: int) -> list[int]:
+    model = GGUFModel(EMBEDDED_MODEL)
+    store, part = ExpertStore(model), Partition(ranges)
+    ids = Tokenizer.from_spec(model.tokenizer_spec).encode(PROMPT)
+    return [t for t, _ in generate(Backbone(model), ids, n, lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))]
+
+
 def test_direct_relayed_and_punched_workers_generate_exactly_the_local_text(tmp_path):
     """Public worker direct; cone worker relay then direct; symmetric worker relay only: tokens equal the local run."""
     from node.testbed.netns import Testbed
+    from node.testbed.nodes import SwarmInTestbed
 
-    model = GGUFModel(EMBEDDED_MODEL)
-    store = ExpertStore(model)
-    part = Partition(RANGES)
-    ids = Tokenizer.from_spec(model.tokenizer_spec).encode(PROMPT)
-    local = [t for t, _ in generate(Backbone(model), ids, TOKENS, lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))]
+    local = local_tokens(RANGES, TOKENS)
     with Testbed(rtt_ms=10) as tb, Cluster(tmp_path) as cluster:
-        def start(name, role, *args):
-            return cluster.start(name, *args, prefix=tb.exec_prefix(role))
-
-        boot_ip, relay_ip = tb.addr("pub-bootstrap"), tb.addr("pub-relay")
-        boot = start("bootstrap", "pub-bootstrap", "bootstrap", "--listen", f"{boot_ip}:4001").wait_ready()["dht_addrs"][0]
-        url = start("relay", "pub-relay", "relay", "--listen", f"{relay_ip}:8080", "--bootstrap", boot).wait_ready()["url"]
-        common = ("--model", str(model.path), "--bootstrap", boot)
-        pub_ip = tb.addr("pub-worker")
-        # The public worker is the third helper: NAT-bound workers check once it is announced.
-        infos = [start("pub", "pub-worker", "worker", *common, "--experts", "0-10", "--listen", f"{pub_ip}:4433", "--dht-listen", f"{pub_ip}:0").wait_ready()]
-        nat_workers = [
-            start("cone", "worker-a", "worker", *common, "--experts", "11-20", "--relay", url, "--listen", "0.0.0.0:0", "--dht-listen", f"{tb.addr('worker-a')}:0"),
-            start("sym", "worker-b", "worker", *common, "--experts", "21-31", "--relay", url, "--listen", "0.0.0.0:0", "--dht-listen", f"{tb.addr('worker-b')}:0"),
-        ]
+        swarm = SwarmInTestbed(tb, cluster)
+        swarm.start_bootstrap()
+        swarm.start_relay()
+        # The public worker is the third helper (after the bootstrap node and the relay): NAT-bound workers check once it is announced.
+        infos = [swarm.start_worker("pub", "pub-worker", "--experts", "0-10").wait_ready()]
+        nat_workers = [swarm.start_worker(name, role, "--experts", experts, path="relay") for name, role, experts in (("cone", "worker-a", "11-20"), ("sym", "worker-b", "21-31"))]
         infos += [w.wait_ready() for w in nat_workers]
-        bb_ip = tb.addr("backbone")
-        out = tb.run("backbone", *cluster_cmd(), "--log-level", "info", "backbone", "generate", *common, "--tokens", str(TOKENS), "--wait-hosts", "3", "--wire", "f32", "--json",
-                     "--listen", f"{bb_ip}:0", "--dht-listen", f"{bb_ip}:0", "--data-dir", str(tmp_path / "bb"), PROMPT,
-                     capture_output=True, text=True, timeout=300)
-        (tmp_path / "backbone.log").write_text(out.stderr)
-        assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+        result = swarm.generate("bb", PROMPT, TOKENS, "--wait-hosts", "3", "--wire", "f32")
     assert [i["reachability"] for i in infos] == ["unchecked", "nat", "symmetric"]
     assert infos[1]["quic_addr"] is None and infos[2]["quic_addr"] is None
     assert result["token_ids"] == local
@@ -73,7 +62,41 @@ def test_direct_relayed_and_punched_workers_generate_exactly_the_local_text(tmp_
     assert result["paths"][sym] == {"relay": result["per_peer"][sym]}
 
 
-def cluster_cmd() -> list[str]:
-    import sys
+def test_a_port_forward_makes_a_nat_worker_public_and_it_is_reannounced(tmp_path):
+    """Behind a cone NAT a worker announces only its relay; once the router forwards its port, a re-check finds it
+    PUBLIC at the router's address, it re-announces, and a backbone then reaches it directly with the exact tokens."""
+    from node.testbed.netns import Testbed
+    from node.testbed.nodes import QUIC_PORT, SwarmInTestbed
 
-    return [sys.executable, "-m", "node"]
+    ranges = ((0, 16), (16, 32))
+    with Testbed(rtt_ms=10) as tb, Cluster(tmp_path) as cluster:
+        swarm = SwarmInTestbed(tb, cluster)
+        swarm.start_bootstrap()
+        swarm.start_relay()
+        swarm.start_worker("pub", "pub-worker", "--experts", "0-15").wait_ready()
+        worker = swarm.start_worker("cone", "worker-a", "--experts", "16-31", "--reachability-recheck", "2", path="relay")
+        info = worker.wait_ready()
+        assert info["reachability"] == "nat" and info["quic_addr"] is None
+        lan, wan = tb.addr("worker-a"), tb.addr("router-a")
+        for rule in (["-t", "nat", "-A", "PREROUTING", "-i", "wan", "-p", "udp", "--dport", str(QUIC_PORT), "-j", "DNAT", "--to-destination", f"{lan}:{QUIC_PORT}"],
+                     ["-I", "FORWARD", "-i", "wan", "-o", "lan", "-p", "udp", "-d", lan, "--dport", str(QUIC_PORT), "-j", "ACCEPT"]):  # fmt: skip
+            tb.run("router-a", "iptables", *rule, check=True)
+        announced = wait_for_log(worker.log_file, "worker.readvertised", 60)
+        assert f"quic={wan}:{QUIC_PORT}" in announced and "reachability=public" in announced
+        result = swarm.generate("bb", PROMPT, 12, "--wait-hosts", "2", "--wire", "f32", "--no-speculative")
+    assert result["token_ids"] == local_tokens(ranges, 12)
+    assert result["paths"][info["peer_id"]] == {"direct": result["per_peer"][info["peer_id"]]}
+    assert result["failed_dispatches"] == 0
+
+
+def wait_for_log(path, event: str, timeout: float) -> str:
+    """The first log line of `path` with `event`, waiting up to `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = next((line for line in path.read_text(errors="replace").splitlines() if event in line), None)
+        if line:
+            return line
+        time.sleep(0.2)
+    raise AssertionError(f"no {event} in {path} after {timeout:.0f} s:\n{path.read_text(errors='replace')[-2000:]}")
