@@ -89,6 +89,44 @@ def test_shared_expert_overlap_changes_no_bit(model_dir):
     assert sum(v["n"] for v in layers["by_fanout"].values()) == model.cfg.n_layer and set(layers["by_fanout"]) <= {1, 2}
 
 
+def test_a_layer_starts_its_slowest_round_trip_first(model_dir):
+    """The groups of a layer go out in order of their hosts' expected RTT, slowest first (the layer ends with it)."""
+    model = GGUFModel(make_model(model_dir, "qwen2moe", n_expert=12, n_expert_used=4, n_layer=1))
+    ranges = [(0, 4), (4, 8), (8, 12)]
+
+    async def main():
+        board = InMemoryBoard()
+        workers = await start_swarm(model, ranges, board)
+        ident = Identity.generate()
+        ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=None)
+        cfg = model.cfg
+        moe = RemoteMoE(ep, InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model))
+        await moe.refresh(model.layers)
+        hosts = [moe.router.routes[0].hosts[g][0] for g in range(3)]
+        for host, rtt in zip(hosts, (20.0, 80.0, 40.0)):
+            moe.router.health[host.peer_id].rtt_ms = rtt
+        started, send = [], moe._send
+
+        async def recording(host, *args):
+            started.append(host.peer_id)
+            return await send(host, *args)
+
+        moe._send = recording
+        x = np.random.default_rng(0).standard_normal((1, cfg.n_embd)).astype(np.float32)
+        ids, w = np.array([[1, 5, 9, 2]]), np.full((1, 4), 0.25, dtype=np.float32)
+        try:
+            await moe.dispatch_layer(0, x, ids, w)
+        finally:
+            await ep.close()
+            for wk, wep, _ in workers:
+                await wep.close()
+                wk.close()
+        return started, [hosts[1].peer_id, hosts[2].peer_id, hosts[0].peer_id]
+
+    started, slowest_first = asyncio.run(main())
+    assert started == slowest_first
+
+
 def test_f16_wire_stays_within_the_gate(model_dir):
     """An F16 wire (after its gate passed) stays within cosine 0.999 and the same argmax."""
     model = GGUFModel(make_model(model_dir, "qwen2moe", n_expert=12, n_expert_used=4, n_layer=3))
