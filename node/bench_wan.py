@@ -93,25 +93,31 @@ async def _complete(session, url: str, prompt: str, n_tokens: int) -> int:
         return (await resp.json())["usage"]["completion_tokens"]
 
 
-def _drive(url: str, n_tokens: int) -> dict:
-    """The 8 prompts one at a time, then all at once; aggregate tokens/s of each (runs inside the backbone's namespace)."""
+def _drive(url: str, n_tokens: int, rounds: int) -> dict:
+    """One client sending the 8 prompts one after another, then 8 clients at once, each sending `rounds` requests
+    back to back (client i starts at prompt i): aggregate tokens/s of each. Back-to-back requests keep the batch
+    full, as steady traffic would; with a single wave the last, slowest sequence would decode alone at the end.
+    Runs inside the backbone's namespace."""
     import aiohttp
 
+    async def client(session, first: int) -> int:
+        return sum([await _complete(session, url, PROMPTS[(first + r) % len(PROMPTS)], n_tokens) for r in range(rounds)])
+
     async def run() -> dict:
-        timeout = aiohttp.ClientTimeout(total=900)
+        timeout = aiohttp.ClientTimeout(total=1800)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await _complete(session, url, PROMPTS[0], 4)  # warm-up: connections, caches
             t0 = time.perf_counter()
             one = [await _complete(session, url, p, n_tokens) for p in PROMPTS]
             t1 = time.perf_counter()
-            many = await asyncio.gather(*(_complete(session, url, p, n_tokens) for p in PROMPTS))
+            many = await asyncio.gather(*(client(session, i) for i in range(len(PROMPTS))))
             t2 = time.perf_counter()
-        return {"one_session_tokens_s": round(sum(one) / (t1 - t0), 3), "sessions8_tokens_s": round(sum(many) / (t2 - t1), 3)}
+        return {"one_session_tokens_s": round(sum(one) / (t1 - t0), 3), "sessions8_tokens_s": round(sum(many) / (t2 - t1), 3), "requests_per_session": rounds}
 
     return asyncio.run(run())
 
 
-def sessions(rtt_ms: float, n_tokens: int, workdir: Path) -> dict:
+def sessions(rtt_ms: float, n_tokens: int, rounds: int, workdir: Path) -> dict:
     """Continuous batching through the gateway: 8 concurrent sessions vs one at a time, without speculation (each
     pass then yields one token per session, so the ratio is the batching alone) and with it."""
     from .testbed.netns import Testbed
@@ -122,7 +128,7 @@ def sessions(rtt_ms: float, n_tokens: int, workdir: Path) -> dict:
         for name, extra in (("plain", ("--no-speculative",)), ("speculative", ())):
             gw = swarm.start(f"gateway-{name}", "backbone", "backbone", "serve", *swarm.backbone_args(), "--http", f"{tb.addr('backbone')}:0",
                              "--wire", "f32", "--wait-hosts", "3", "--served-model-name", "embedded", *extra)  # fmt: skip
-            got = tb.call("backbone", _drive, gw.wait_ready(120)["base_url"], n_tokens)
+            got = tb.call("backbone", _drive, gw.wait_ready(120)["base_url"], n_tokens, rounds)
             gw.stop()
             out[name] = {**got, "ratio": round(got["sessions8_tokens_s"] / got["one_session_tokens_s"], 3)}
     return out
@@ -184,10 +190,11 @@ def plot(by_rtt: list[dict], bytes_per_codec: dict, out_dir: Path) -> list[str]:
 @click.option("--tokens", "n_tokens", default=32, show_default=True, help="Tokens per decoding run.")
 @click.option("--prompts", "n_prompts", default=3, show_default=True, type=click.IntRange(1, len(PROMPTS)), help="Prompts per variant (tokens/s is over all of them).")
 @click.option("--session-tokens", default=24, show_default=True, help="Tokens per gateway request in the sessions check.")
+@click.option("--session-rounds", default=3, show_default=True, type=click.IntRange(1), help="Requests each of the 8 concurrent sessions sends back to back.")
 @click.option("--star-tokens", default=16, show_default=True)
 @click.option("--plots", "plot_dir", type=click.Path(file_okay=False), default=None, help="Write PNG plots into this directory.")
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
-def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_tokens: int, star_tokens: int, plot_dir: str | None, write_md: str | None) -> None:
+def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_tokens: int, session_rounds: int, star_tokens: int, plot_dir: str | None, write_md: str | None) -> None:
     """Tokens/s vs RTT per technique, 8 sessions vs 1, parallel-star layer time (embedded model, testbed; root only)."""
     from .testbed.netns import require_root
 
@@ -202,7 +209,7 @@ def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_t
     with tempfile.TemporaryDirectory(prefix="moeswarm-wan-") as tmp:
         by_rtt = [decode_variants(rtt, n_tokens, Path(tmp) / f"rtt{rtt:g}", n_moe, PROMPTS[:n_prompts]) for rtt in rtt_list]
         top = by_rtt[-1]
-        batching = sessions(top["rtt_ms"], session_tokens, Path(tmp) / "sessions")
+        batching = sessions(top["rtt_ms"], session_tokens, session_rounds, Path(tmp) / "sessions")
         result = {
             **top,
             "sessions8_aggregate_ratio": batching["plain"]["ratio"],  # the batching alone; with speculation in "sessions"
@@ -214,7 +221,8 @@ def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_t
         }
     if plot_dir:
         result["plots"] = plot(by_rtt, result["bytes_per_token_per_layer"], Path(plot_dir))
-    command = f"moeswarm bench wan --json --rtt-ms {rtts} --tokens {n_tokens} --prompts {n_prompts}" + (f" --plots {plot_dir}" if plot_dir else "")
+    command = (f"moeswarm bench wan --json --rtt-ms {rtts} --tokens {n_tokens} --prompts {n_prompts} --session-tokens {session_tokens} "
+               f"--session-rounds {session_rounds} --star-tokens {star_tokens}" + (f" --plots {plot_dir}" if plot_dir else ""))  # fmt: skip
     if write_md:
         _append_md(write_md, command, result)
     if as_json:

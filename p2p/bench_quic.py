@@ -27,7 +27,8 @@ import structlog
 from aioquic.quic import events
 
 from p2p.identity import Identity, PeerId
-from p2p.quic import Endpoint, _Conn
+from p2p.quic import Endpoint
+from p2p.quic_conn import Conn
 
 LOOPBACK = "127.0.0.1"
 _LENGTH = 4
@@ -43,11 +44,11 @@ class _Framing:
 class FramedEndpoint(Endpoint):
     """``Endpoint`` with messages framed on one persistent stream per connection (benchmark only)."""
 
-    def _framing(self, conn: _Conn) -> _Framing:
+    def _framing(self, conn: Conn) -> _Framing:
         framing: _Framing = conn.__dict__.setdefault("framing", _Framing())
         return framing
 
-    async def _call(self, conn: _Conn, payload: bytes) -> bytes:
+    async def _call(self, conn: Conn, payload: bytes) -> bytes:
         framing = self._framing(conn)
         if framing.stream_id is None:
             framing.stream_id = conn.quic.get_next_available_stream_id()
@@ -57,7 +58,7 @@ class FramedEndpoint(Endpoint):
         self._pump(conn)
         return await future
 
-    def _on_stream_data(self, conn: _Conn, event: events.StreamDataReceived) -> None:
+    def _on_stream_data(self, conn: Conn, event: events.StreamDataReceived) -> None:
         framing = self._framing(conn)
         buf = framing.buffers.setdefault(event.stream_id, bytearray())
         buf += event.data
@@ -69,7 +70,7 @@ class FramedEndpoint(Endpoint):
             else:
                 self._spawn(self._answer(conn, event.stream_id, message))
 
-    async def _answer(self, conn: _Conn, stream_id: int, message: bytes) -> None:
+    async def _answer(self, conn: Conn, stream_id: int, message: bytes) -> None:
         assert self._handler is not None and conn.peer is not None
         reply = await self._handler(conn.peer, message)
         conn.quic.send_stream_data(stream_id, len(reply).to_bytes(_LENGTH, "big") + reply)

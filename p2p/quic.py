@@ -11,6 +11,12 @@ address) to ``send`` instead of the socket, and ``datagram_received(data, addr)`
 way, so a relay carries the very same QUIC packets. ``send`` must not call ``datagram_received`` synchronously.
 (aioquic clients drop packets from any address but the one dialled; servers follow a peer to a new address.)
 
+Paths, for NAT traversal (``p2p.udp_edge``). Probes and punch packets must use this very socket, whose NAT mapping
+they learn or open: ``sendto`` sends one, and ``set_datagram_filter`` gets first look at every datagram the socket
+receives. One peer may hold several connections (``paths``), e.g. a relayed one and a punched direct one, which
+must be a new connection since a client cannot migrate: ``dial_path`` makes it, ``prefer_path`` picks the one
+requests use, ``close_path`` ends one and requests fall back to another path.
+
 Authentication. aioquic 1.7.2's TLS can request a client certificate but has no public switch for it
 (``tls.Context._request_client_certificate``, "for test purposes only"; aiortc/aioquic#541). ``AuthQuicConnection`` (``p2p.quic_aioquic``)
 sets it on the server side; both sides present a ``p2p.tls`` certificate and TLS proves each holds its certificate
@@ -30,6 +36,9 @@ opened with ``get_next_available_stream_id`` + ``send_stream_data`` (``create_st
 per-stream state is ours and dropped when the stream ends (aioquic's reader table never forgets one); pending
 requests fail with ``ConnectionLost`` naming the peer as soon as the connection closes; our streams send with
 aioquic's own ``QuicStreamSender.get_frame``, reloaded from its source, since importing libp2p replaces it.
+
+Kept here: the endpoint's behaviour. Its error vocabulary is ``p2p.quic_errors`` (re-exported here) and its
+per-connection records are ``p2p.quic_conn``.
 """
 
 from __future__ import annotations
@@ -41,8 +50,6 @@ import ipaddress
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
 import structlog
@@ -53,10 +60,13 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
 from p2p.identity import Identity, PeerId
 from p2p.quic_aioquic import AuthQuicConnection
+from p2p.quic_conn import Call, Conn, Serve, retrieve, settle
+from p2p.quic_errors import Address, ConnectionLost, ErrorCode, MessageTooLarge, PeerAuthError, RemoteError
+from p2p.quic_errors import TransportError, TransportTimeout  # re-exported: callers import errors from here
 from p2p.tls import PeerCertificateError, make_certificate, verify_certificate
 
-Address = tuple[str, int]
 Handler = Callable[[PeerId, bytes], Awaitable[bytes]]
+DatagramFilter = Callable[[bytes, Address], bool]  # True: the datagram was consumed, QUIC never sees it
 
 ALPN = "moeswarm/1"
 CID_LENGTH = 8
@@ -67,108 +77,9 @@ _MAX_REASON = 200
 log = structlog.get_logger("p2p.quic")
 
 
-class ErrorCode(IntEnum):
-    """Application error codes on our streams (RESET_STREAM/STOP_SENDING) and connections (CONNECTION_CLOSE)."""
-
-    NO_ERROR = 0
-    MESSAGE_TOO_LARGE = 1
-    HANDLER_FAILED = 2
-    NO_HANDLER = 3
-    CANCELLED = 4
-    PEER_AUTH_FAILED = 5
-    PROTOCOL_VIOLATION = 6
-
-
-class TransportError(Exception):
-    """A request on the data path failed."""
-
-
-class TransportTimeout(TransportError, TimeoutError):
-    """No reply within the caller's timeout."""
-
-
-class PeerAuthError(TransportError):
-    """The peer's certificate did not prove the expected peer id, or the peer refused ours."""
-
-
-class ConnectionLost(TransportError):
-    """The connection to a peer ended (closed, idle timeout, endpoint closed) while a request was pending."""
-
-    def __init__(self, peer: PeerId | None, addr: Address | None, reason: str) -> None:
-        super().__init__(f"connection to {peer or 'unverified peer'} at {addr} lost: {reason}")
-        self.peer = peer
-        self.addr = addr
-        self.reason = reason
-
-
-class MessageTooLarge(TransportError):
-    """A request or reply exceeds this endpoint's or the peer's ``max_message``."""
-
-
-class RemoteError(TransportError):
-    """The peer reset the stream: its handler failed, it has no handler, or it broke off."""
-
-    def __init__(self, peer: PeerId | None, code: int) -> None:
-        name = ErrorCode(code).name if code in ErrorCode._value2member_map_ else str(code)
-        super().__init__(f"{peer} reset the request stream: {name}")
-        self.peer = peer
-        self.code = code
-
-
-@dataclass(eq=False)
-class _Call:
-    """A request we sent, waiting for its reply."""
-
-    future: asyncio.Future[bytes]
-    data: bytearray = field(default_factory=bytearray)
-
-
-@dataclass(eq=False)
-class _Serve:
-    """A request we are receiving (``task`` None) or answering; ``refused`` ones only wait for the stream to end."""
-
-    data: bytearray = field(default_factory=bytearray)
-    task: asyncio.Task[None] | None = None
-    refused: bool = False
-
-
-@dataclass(eq=False)
-class _Conn:
-    quic: AuthQuicConnection
-    ready: asyncio.Future[None]  # resolves once the peer's certificate is verified
-    expected: PeerId | None = None  # the peer id we dialled (None: the peer dialled us)
-    peer: PeerId | None = None  # the verified peer id
-    failure: TransportError | None = None  # set when the connection starts closing
-    close_reason: str = ""
-    calls: dict[int, _Call] = field(default_factory=dict)
-    serves: dict[int, _Serve] = field(default_factory=dict)
-    cids: set[bytes] = field(default_factory=set)
-    timer: asyncio.TimerHandle | None = None
-    timer_at: float | None = None
-
-    @property
-    def is_client(self) -> bool:
-        return self.quic.configuration.is_client
-
-    @property
-    def addr(self) -> Address | None:
-        return self.quic.get_peer_address()
-
-    def is_local(self, stream_id: int) -> bool:
-        return (stream_id & 1) == (0 if self.is_client else 1)
-
-
-def _settle(future: asyncio.Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
 @functools.lru_cache(maxsize=1024)
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
+    """Whether ``host`` is an IP literal; a relay's virtual address ("relay:<peer>") is not."""
     try:
         ipaddress.ip_address(host)
     except ValueError:
@@ -176,18 +87,14 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """Mark a future's exception as seen: a failed dial nobody waits for is not an error worth a warning."""
-    if not future.cancelled():
-        future.exception()
-
-
 class _Socket(asyncio.DatagramProtocol):
     def __init__(self, endpoint: Endpoint) -> None:
         self._endpoint = endpoint
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        self._endpoint.datagram_received(data, (addr[0], addr[1]))
+        endpoint, addr = self._endpoint, (addr[0], addr[1])
+        if endpoint._filter is None or not endpoint._filter(data, addr):
+            endpoint.datagram_received(data, addr)
 
     def error_received(self, exc: Exception) -> None:
         log.debug("quic.socket_error", error=str(exc))
@@ -234,11 +141,12 @@ class Endpoint:
             for is_client in (True, False)
         }
         self._transport: asyncio.DatagramTransport | None = None
-        self._conns: set[_Conn] = set()
-        self._by_cid: dict[bytes, _Conn] = {}
-        self._by_peer: dict[PeerId, _Conn] = {}
-        self._dialing: dict[tuple[PeerId, Address], _Conn] = {}
+        self._conns: set[Conn] = set()
+        self._by_cid: dict[bytes, Conn] = {}
+        self._by_peer: dict[PeerId, Conn] = {}
+        self._dialing: dict[tuple[PeerId, Address], Conn] = {}
         self._routes: dict[Address, Callable[[bytes], None]] = {}
+        self._filter: DatagramFilter | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -353,25 +261,85 @@ class Endpoint:
         if self._transport is not None:
             self._transport.close()
 
+    # --- paths --------------------------------------------------------------------------------------------------
+
+    def set_datagram_filter(self, fn: DatagramFilter | None) -> None:
+        """Show every datagram the socket receives to ``fn(data, addr)`` first; QUIC gets those it returns False
+        for. One filter at a time (``None`` removes it); it must not raise. Relayed datagrams bypass it."""
+        if self._transport is None:
+            raise ValueError("bind the endpoint (Endpoint.bind) before filtering its datagrams")
+        if fn is not None and self._filter is not None:
+            raise ValueError("this endpoint already has a datagram filter")
+        self._filter = fn
+
+    def sendto(self, data: bytes, addr: Address) -> None:
+        """Send one datagram from the QUIC socket; dropped once closed or if ``addr`` is not an IP (a name would
+        block on DNS; a relay's virtual address is not the socket's)."""
+        if not self._closed and self._transport is not None and is_ip(addr[0]):
+            self._transport.sendto(data, addr)
+
+    def paths(self, peer_id: PeerId | None = None) -> list[Address]:
+        """The addresses of the verified, open connections to ``peer_id`` (or to anyone)."""
+        return [addr for conn in self._live(peer_id) if (addr := conn.addr)]
+
+    async def dial_path(self, peer_id: PeerId, addr: Address, *, timeout: float) -> None:
+        """Make sure a verified connection to ``peer_id`` at ``addr`` exists, even if the peer has one elsewhere; it
+        carries requests once preferred (or if it is the peer's first). One that times out is closed."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._connection(addr, peer_id, new_path=True)
+        except TimeoutError:
+            if (conn := self._dialing.get((peer_id, addr))) is not None:
+                self._close_conn(conn, "path dial timed out")
+            raise TransportTimeout(f"no handshake with {peer_id} at {addr} within {timeout} s") from None
+
+    def prefer_path(self, peer_id: PeerId, addr: Address) -> bool:
+        """Send later requests to ``peer_id`` on its connection at ``addr``; False if there is none."""
+        if (conn := self._path(peer_id, addr)) is not None:
+            self._by_peer[peer_id] = conn
+        return conn is not None
+
+    def close_path(self, peer_id: PeerId, addr: Address, reason: str) -> bool:
+        """Close the connection to ``peer_id`` at ``addr``: its pending requests fail with ``ConnectionLost``, later
+        ones use another path (if any). False if there is no such connection."""
+        if (conn := self._path(peer_id, addr)) is not None:
+            self._close_conn(conn, reason)
+        return conn is not None
+
     # --- connections --------------------------------------------------------------------------------------------
 
-    async def _connection(self, addr: Address, peer_id: PeerId) -> _Conn:
+    async def _connection(self, addr: Address, peer_id: PeerId, *, new_path: bool = False) -> Conn:
+        """The peer's connection for requests, or (``new_path``) its connection at ``addr``; dialled if need be."""
         if self._closed:
             raise ConnectionLost(peer_id, addr, "local endpoint closed")
         if peer_id == self.peer_id:
             raise ValueError("an endpoint cannot connect to its own peer id")
-        conn = self._by_peer.get(peer_id) or self._dialing.get((peer_id, addr)) or self._dial(addr, peer_id)
+        known = self._path(peer_id, addr) if new_path else self._by_peer.get(peer_id)
+        conn = known or self._dialing.get((peer_id, addr)) or self._dial(addr, peer_id)
         await asyncio.shield(conn.ready)
         return conn
 
-    def _new_conn(self, quic: AuthQuicConnection, expected: PeerId | None) -> _Conn:
-        conn = _Conn(quic=quic, ready=self._loop.create_future(), expected=expected)
-        conn.ready.add_done_callback(_retrieve)
+    def _live(self, peer_id: PeerId | None) -> list[Conn]:
+        """Verified connections that are not closing (to ``peer_id``, or all)."""
+        return [c for c in self._conns if c.peer is not None and c.failure is None and peer_id in (None, c.peer)]
+
+    def _path(self, peer_id: PeerId, addr: Address) -> Conn | None:
+        return next((c for c in self._live(peer_id) if c.addr == addr), None)
+
+    def _close_conn(self, conn: Conn, reason: str) -> None:
+        """Close one connection; ``_pump`` sees it closing at once and moves the peer's requests to a spare."""
+        if conn.failure is None:
+            conn.quic.close(error_code=ErrorCode.NO_ERROR, reason_phrase=reason[:_MAX_REASON])
+            self._pump(conn)
+
+    def _new_conn(self, quic: AuthQuicConnection, expected: PeerId | None) -> Conn:
+        conn = Conn(quic=quic, ready=self._loop.create_future(), expected=expected)
+        conn.ready.add_done_callback(retrieve)
         self._conns.add(conn)
         self._register_cid(conn, quic.host_cid)
         return conn
 
-    def _dial(self, addr: Address, peer_id: PeerId) -> _Conn:
+    def _dial(self, addr: Address, peer_id: PeerId) -> Conn:
         quic = AuthQuicConnection(configuration=self._configs[True], window_cap=self.max_message + 1)
         conn = self._new_conn(quic, peer_id)
         self._dialing[(peer_id, addr)] = conn
@@ -379,7 +347,7 @@ class Endpoint:
         self._pump(conn)
         return conn
 
-    def _accept(self, original_cid: bytes) -> _Conn:
+    def _accept(self, original_cid: bytes) -> Conn:
         quic = AuthQuicConnection(
             configuration=self._configs[False],
             original_destination_connection_id=original_cid,
@@ -389,11 +357,11 @@ class Endpoint:
         self._register_cid(conn, original_cid)  # the client's Initial packets are addressed to its chosen id
         return conn
 
-    def _register_cid(self, conn: _Conn, cid: bytes) -> None:
+    def _register_cid(self, conn: Conn, cid: bytes) -> None:
         self._by_cid[cid] = conn
         conn.cids.add(cid)
 
-    def _pump(self, conn: _Conn) -> None:
+    def _pump(self, conn: Conn) -> None:
         """Handle the connection's pending events, then send what it has to send."""
         while (event := conn.quic.next_event()) is not None:
             self._on_event(conn, event)
@@ -402,12 +370,12 @@ class Endpoint:
             self._fail(conn, self._closed_by(conn, closing), closing.reason_phrase, closing.error_code)
         self._transmit(conn)
 
-    def _transmit(self, conn: _Conn) -> None:
+    def _transmit(self, conn: Conn) -> None:
         for data, addr in conn.quic.datagrams_to_send(now=self._loop.time()):
             route = self._routes.get(addr)
             if route is not None:
                 route(data)
-            elif self._transport is not None and _is_ip(addr[0]):  # a name would block the loop on DNS
+            elif self._transport is not None and is_ip(addr[0]):  # a name would block the loop on DNS
                 self._transport.sendto(data, addr)
         timer_at = conn.quic.get_timer()
         if conn.timer is not None and conn.timer_at != timer_at:
@@ -417,13 +385,13 @@ class Endpoint:
             conn.timer = self._loop.call_at(timer_at, self._on_timer, conn)
         conn.timer_at = timer_at
 
-    def _on_timer(self, conn: _Conn) -> None:
+    def _on_timer(self, conn: Conn) -> None:
         now = max(conn.timer_at or 0.0, self._loop.time())
         conn.timer = conn.timer_at = None
         conn.quic.handle_timer(now=now)
         self._pump(conn)
 
-    def _on_event(self, conn: _Conn, event: events.QuicEvent) -> None:
+    def _on_event(self, conn: Conn, event: events.QuicEvent) -> None:
         if isinstance(event, events.StreamDataReceived):
             self._on_stream_data(conn, event)
         elif isinstance(event, (events.StreamReset, events.StopSendingReceived)):
@@ -440,7 +408,7 @@ class Endpoint:
                 self._fail(conn, self._closed_by(conn, event), event.reason_phrase, event.error_code)
             self._forget(conn)
 
-    def _on_handshake(self, conn: _Conn) -> None:
+    def _on_handshake(self, conn: Conn) -> None:
         try:
             certificates = conn.quic.peer_certificates()
             if len(certificates) != 1:
@@ -457,22 +425,22 @@ class Endpoint:
             self._dialing = {k: c for k, c in self._dialing.items() if c is not conn}
         self._by_peer.setdefault(peer, conn)
         log.info("quic.connected", peer=str(peer), addr=conn.addr, role="client" if conn.is_client else "server")
-        _settle(conn.ready)
+        settle(conn.ready)
 
-    def _closed_by(self, conn: _Conn, event: events.ConnectionTerminated) -> TransportError:
+    def _closed_by(self, conn: Conn, event: events.ConnectionTerminated) -> TransportError:
         """The error for requests pending on a connection that ``event`` ends."""
         if event.error_code == ErrorCode.PEER_AUTH_FAILED and event.frame_type is None:
             return PeerAuthError(f"{conn.expected or conn.addr} refused our certificate: {event.reason_phrase}")
         reason = f"{event.reason_phrase or 'closed'} (error {event.error_code})"
         return ConnectionLost(conn.peer or conn.expected, conn.addr, reason)
 
-    def _fail(self, conn: _Conn, error: TransportError, reason: str, code: int) -> None:
+    def _fail(self, conn: Conn, error: TransportError, reason: str, code: int) -> None:
         """Fail everything pending on a connection that is closing; route new requests elsewhere."""
         conn.failure = error
         conn.close_reason = f"{reason or 'closed'} (error {int(code)})"
-        _settle(conn.ready, error=error)
+        settle(conn.ready, error=error)
         for call in conn.calls.values():
-            _settle(call.future, error=error)
+            settle(call.future, error=error)
         for serve in conn.serves.values():
             if serve.task is not None:
                 serve.task.cancel()
@@ -485,7 +453,7 @@ class Endpoint:
             if spare is not None:
                 self._by_peer[conn.peer] = spare
 
-    def _forget(self, conn: _Conn) -> None:
+    def _forget(self, conn: Conn) -> None:
         """Drop a terminated connection from every table."""
         if conn not in self._conns:
             return
@@ -508,11 +476,11 @@ class Endpoint:
 
     # --- requests -----------------------------------------------------------------------------------------------
 
-    async def _call(self, conn: _Conn, payload: bytes) -> bytes:
+    async def _call(self, conn: Conn, payload: bytes) -> bytes:
         if conn.failure is not None:
             raise conn.failure
         stream_id = conn.quic.get_next_available_stream_id()
-        call = _Call(self._loop.create_future())
+        call = Call(self._loop.create_future())
         conn.calls[stream_id] = call
         conn.quic.send_stream_data(stream_id, payload, end_stream=True)
         self._pump(conn)
@@ -524,7 +492,7 @@ class Endpoint:
                 self._pump(conn)
             raise
 
-    def _on_stream_data(self, conn: _Conn, event: events.StreamDataReceived) -> None:
+    def _on_stream_data(self, conn: Conn, event: events.StreamDataReceived) -> None:
         sid = event.stream_id
         if conn.peer is None:
             if conn.failure is None:  # TLS completes before 1-RTT data is readable; anything else is an attack
@@ -538,7 +506,7 @@ class Endpoint:
         else:
             self._on_request_data(conn, sid, event)
 
-    def _on_reply_data(self, conn: _Conn, sid: int, event: events.StreamDataReceived) -> None:
+    def _on_reply_data(self, conn: Conn, sid: int, event: events.StreamDataReceived) -> None:
         call = conn.calls.get(sid)
         if call is None:  # a request we gave up on
             return
@@ -547,15 +515,15 @@ class Endpoint:
             del conn.calls[sid]
             self._abort(conn, sid, ErrorCode.MESSAGE_TOO_LARGE)
             error = MessageTooLarge(f"reply from {conn.peer} exceeds max_message {self.max_message}")
-            _settle(call.future, error=error)
+            settle(call.future, error=error)
         elif event.end_stream:
             del conn.calls[sid]
-            _settle(call.future, result=bytes(call.data))
+            settle(call.future, result=bytes(call.data))
 
-    def _on_request_data(self, conn: _Conn, sid: int, event: events.StreamDataReceived) -> None:
+    def _on_request_data(self, conn: Conn, sid: int, event: events.StreamDataReceived) -> None:
         serve = conn.serves.get(sid)
         if serve is None:
-            serve = conn.serves[sid] = _Serve()
+            serve = conn.serves[sid] = Serve()
             if self._handler is None:
                 self._refuse(conn, sid, serve, ErrorCode.NO_HANDLER)
             elif sid & 2:  # unidirectional streams carry nothing in our protocol
@@ -572,12 +540,12 @@ class Endpoint:
                 request, serve.data = bytes(serve.data), bytearray()
                 serve.task = self._spawn(self._serve(conn, sid, request))
 
-    def _refuse(self, conn: _Conn, sid: int, serve: _Serve, code: ErrorCode) -> None:
+    def _refuse(self, conn: Conn, sid: int, serve: Serve, code: ErrorCode) -> None:
         serve.refused = True
         serve.data = bytearray()
         self._abort(conn, sid, code)
 
-    def _abort(self, conn: _Conn, sid: int, code: ErrorCode) -> None:
+    def _abort(self, conn: Conn, sid: int, code: ErrorCode) -> None:
         """Stop both directions of a stream; a stream aioquic already discarded needs nothing."""
         with contextlib.suppress(ValueError):
             conn.quic.stop_stream(sid, code)
@@ -585,7 +553,7 @@ class Endpoint:
             with contextlib.suppress(ValueError):
                 conn.quic.reset_stream(sid, code)
 
-    def _on_stream_reset(self, conn: _Conn, sid: int, code: int) -> None:
+    def _on_stream_reset(self, conn: Conn, sid: int, code: int) -> None:
         if conn.is_local(sid):
             call = conn.calls.pop(sid, None)
             if call is not None:
@@ -594,13 +562,13 @@ class Endpoint:
                     if code == ErrorCode.MESSAGE_TOO_LARGE
                     else RemoteError(conn.peer, code)
                 )
-                _settle(call.future, error=error)
+                settle(call.future, error=error)
         else:
             serve = conn.serves.pop(sid, None)
             if serve is not None and serve.task is not None:
                 serve.task.cancel()
 
-    async def _serve(self, conn: _Conn, sid: int, request: bytes) -> None:
+    async def _serve(self, conn: Conn, sid: int, request: bytes) -> None:
         assert self._handler is not None and conn.peer is not None
         code: ErrorCode | None = None
         try:

@@ -528,3 +528,133 @@ def test_datagram_size_is_checked() -> None:
                 await Endpoint.bind(Identity.generate(), LOOPBACK, 0, handler=None, max_datagram_size=size)
 
     run(scenario())
+
+
+# --- paths: several connections to one peer on one socket, and the socket's datagram filter ----------------------
+
+
+def virtual_link(a: Endpoint, b: Endpoint) -> tuple[tuple[str, int], dict[str, bool]]:
+    """Route datagrams between a and b also through virtual addresses (as a relay would); b's virtual address as a
+    sees it, and a gate that drops that link's datagrams while ``gate["open"]`` is False."""
+    loop = asyncio.get_running_loop()
+    a_v, b_v = ("virtual-a", 1), ("virtual-b", 1)
+    gate = {"open": True}
+
+    def carry(to: Endpoint, src: tuple[str, int]) -> Any:
+        return lambda data: gate["open"] and loop.call_soon(to.datagram_received, data, src)
+
+    a.add_route(b_v, carry(b, a_v))
+    b.add_route(a_v, carry(a, b_v))
+    return b_v, gate
+
+
+def test_dial_path_adds_a_second_connection_and_prefer_path_moves_requests() -> None:
+    """dial_path opens a second connection to a connected peer on the same socket; prefer_path picks the one used."""
+
+    async def scenario() -> None:
+        async with endpoints(keepalive=False) as (server, client):
+            virtual, gate = virtual_link(client, server)
+            direct_blocked = {"on": False}
+            server.set_datagram_filter(lambda data, addr: direct_blocked["on"] and addr == client.local_addr)
+            peer, direct = server.peer_id, server.local_addr
+            assert await client.request(direct, peer, b"1", timeout=5) == str(client.peer_id).encode() + b"|1"
+            await client.dial_path(peer, virtual, timeout=5)
+            assert sorted(client.paths(peer)) == sorted([direct, virtual])
+            assert client.connections() == {peer: direct}  # a new path carries nothing until preferred
+            assert not client.prefer_path(peer, ("127.0.0.1", 9))
+
+            assert client.prefer_path(peer, virtual)
+            direct_blocked["on"] = True
+            assert await client.request(direct, peer, b"2", timeout=5) == str(client.peer_id).encode() + b"|2"
+            assert client.connections() == {peer: virtual}
+
+            assert client.prefer_path(peer, direct)
+            direct_blocked["on"], gate["open"] = False, False
+            assert await client.request(virtual, peer, b"3", timeout=5) == str(client.peer_id).encode() + b"|3"
+            assert client.connections() == {peer: direct}
+
+    run(scenario())
+
+
+def test_close_path_fails_its_requests_and_later_ones_use_the_other_path() -> None:
+    """close_path ends one connection (its pending request fails) and requests fall back to the remaining path."""
+    release = asyncio.Event()
+
+    async def hold(peer: PeerId, data: bytes) -> bytes:
+        if data == b"hold":
+            await release.wait()
+        return data
+
+    async def scenario() -> None:
+        async with endpoints(hold, keepalive=False) as (server, client):
+            virtual, _ = virtual_link(client, server)
+            peer, direct = server.peer_id, server.local_addr
+            await client.connect(direct, peer, timeout=5)
+            await client.dial_path(peer, virtual, timeout=5)
+            pending = asyncio.create_task(client.request(direct, peer, b"hold", timeout=10))
+            await asyncio.sleep(0.1)
+            assert client.close_path(peer, direct, "test: path died")
+            with pytest.raises(quic.ConnectionLost, match="test: path died"):
+                await pending
+            assert not client.close_path(peer, direct, "already closed")
+            assert client.paths(peer) == [virtual]
+            assert client.connections() == {peer: virtual}
+            assert await client.request(direct, peer, b"after", timeout=5) == b"after"
+            release.set()
+
+    run(scenario())
+
+
+def test_dial_path_that_times_out_is_abandoned() -> None:
+    """A path dial that times out raises TransportTimeout and is closed: its retransmits cannot open it later."""
+
+    async def scenario() -> None:
+        async with endpoints() as (server, client):
+            late = await Endpoint.bind(Identity.generate(), LOOPBACK, 0, handler=None)
+            late.set_datagram_filter(lambda data, addr: True)  # swallows the client's Initials for now
+            try:
+                with pytest.raises(quic.TransportTimeout):
+                    await client.dial_path(late.peer_id, late.local_addr, timeout=0.5)
+                late.set_datagram_filter(None)
+                await asyncio.sleep(1.5)  # past the client's next Initial retransmission, were the dial still alive
+                assert client.paths(late.peer_id) == [] and late.paths() == []
+            finally:
+                await late.close()
+            await client.close()
+            with pytest.raises(quic.ConnectionLost, match="local endpoint closed"):
+                await client.dial_path(server.peer_id, server.local_addr, timeout=1)
+
+    run(scenario())
+
+
+def test_datagram_filter_takes_non_quic_datagrams_and_quic_still_works() -> None:
+    """The filter sees every socket datagram first: it keeps what it consumes (sent with sendto), QUIC gets the rest."""
+
+    async def scenario() -> None:
+        async with endpoints() as (server, client):
+            loop = asyncio.get_running_loop()
+            ours: asyncio.Future[tuple[bytes, tuple[str, int]]] = loop.create_future()
+            passed: list[tuple[str, int]] = []
+
+            def take(data: bytes, addr: tuple[str, int]) -> bool:
+                if data.startswith(b"\xffours"):
+                    if not ours.done():
+                        ours.set_result((data, addr))
+                    return True
+                passed.append(addr)
+                return False
+
+            server.set_datagram_filter(take)
+            with pytest.raises(ValueError, match="already has a datagram filter"):
+                server.set_datagram_filter(lambda data, addr: True)
+            client.sendto(b"\xffours probe", server.local_addr)
+            assert await asyncio.wait_for(ours, 5) == (b"\xffours probe", client.local_addr)
+            reply = await client.request(server.local_addr, server.peer_id, b"q", timeout=5)
+            assert reply == str(client.peer_id).encode() + b"|q"
+            assert client.local_addr in passed
+            server.set_datagram_filter(None)
+            seen = len(passed)
+            assert await client.request(server.local_addr, server.peer_id, b"r", timeout=5)
+            assert len(passed) == seen
+
+    run(scenario())

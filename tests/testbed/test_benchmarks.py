@@ -26,7 +26,7 @@ def moeswarm(*args: str, timeout: float = 900) -> dict:
 def test_bench_wan_reports_every_technique_and_the_star(tmp_path):
     """`bench wan` at 20 ms: all variants give the naive tokens, sessions and star are measured, PNGs written."""
     md = tmp_path / "BENCH.md"
-    r = moeswarm("bench", "wan", "--json", "--rtt-ms", "20", "--tokens", "6", "--prompts", "1", "--session-tokens", "3", "--star-tokens", "8", "--plots", str(tmp_path / "plots"), "--write", str(md))
+    r = moeswarm("bench", "wan", "--json", "--rtt-ms", "20", "--tokens", "6", "--prompts", "1", "--session-tokens", "3", "--session-rounds", "1", "--star-tokens", "8", "--plots", str(tmp_path / "plots"), "--write", str(md))
     assert r["rtt_ms"] == 20 and set(r["tokens_s"]) == {"naive", "speculative", "overlap", "all"}
     assert r["identical"] and r["failed_dispatches"] == 0 and r["bound_tokens_s"] == 1000 / (r["moe_layers"] * 20)
     assert set(r["speedup"]) == {"speculative", "overlap", "all"} and r["acceptance_mean"] >= 0
