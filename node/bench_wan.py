@@ -103,16 +103,22 @@ def _drive(url: str, n_tokens: int, rounds: int) -> dict:
     async def client(session, first: int) -> int:
         return sum([await _complete(session, url, PROMPTS[(first + r) % len(PROMPTS)], n_tokens) for r in range(rounds)])
 
+    async def batching(session) -> dict:
+        async with session.get(f"{url}/stats") as resp:
+            return (await resp.json())["batching"]
+
     async def run() -> dict:
         timeout = aiohttp.ClientTimeout(total=1800)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await _complete(session, url, PROMPTS[0], 4)  # warm-up: connections, caches
             t0 = time.perf_counter()
             one = [await _complete(session, url, p, n_tokens) for p in PROMPTS]
-            t1 = time.perf_counter()
+            t1, before = time.perf_counter(), await batching(session)
             many = await asyncio.gather(*(client(session, i) for i in range(len(PROMPTS))))
-            t2 = time.perf_counter()
-        return {"one_session_tokens_s": round(sum(one) / (t1 - t0), 3), "sessions8_tokens_s": round(sum(many) / (t2 - t1), 3), "requests_per_session": rounds}
+            t2, after = time.perf_counter(), await batching(session)
+        calls, dispatches = (after[k] - before[k] for k in ("member_calls", "layer_dispatches"))
+        return {"one_session_tokens_s": round(sum(one) / (t1 - t0), 3), "sessions8_tokens_s": round(sum(many) / (t2 - t1), 3), "requests_per_session": rounds,
+                "sessions_per_dispatch": round(calls / max(1, dispatches), 2)}  # how full the concurrent phase kept the batch
 
     return asyncio.run(run())
 

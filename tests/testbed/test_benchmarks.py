@@ -31,6 +31,7 @@ def test_bench_wan_reports_every_technique_and_the_star(tmp_path):
     assert r["identical"] and r["failed_dispatches"] == 0 and r["bound_tokens_s"] == 1000 / (r["moe_layers"] * 20)
     assert set(r["speedup"]) == {"speculative", "overlap", "all"} and r["acceptance_mean"] >= 0
     assert r["sessions8_aggregate_ratio"] == r["sessions"]["plain"]["ratio"] > 0
+    assert all(1 <= r["sessions"][mode]["sessions_per_dispatch"] <= 8 for mode in ("plain", "speculative"))
     star = r["star"]
     assert star["rtts_ms"] == [20, 40, 80] and star["max_rtt_ms"] == 80 and star["layers"] > 0 and star["failed_dispatches"] == 0
     assert r["bytes_per_token_per_layer"]["int8"] < r["bytes_per_token_per_layer"]["f16"] < r["bytes_per_token_per_layer"]["f32"]
