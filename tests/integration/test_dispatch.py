@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 
@@ -42,23 +43,29 @@ async def start_swarm(model: GGUFModel, ranges, board):
     return workers
 
 
-async def run_remote(model, ranges, codec=Codec.F32, kill_after=None, overlap=True):
+@contextlib.asynccontextmanager
+async def remote_swarm(model: GGUFModel, ranges, **moe_kw):
+    """Workers for `ranges` on real sockets and a backbone's RemoteMoE that found them; all closed on exit."""
     board = InMemoryBoard()
     workers = await start_swarm(model, ranges, board)
     ident = Identity.generate()
     ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=None)
     cfg = model.cfg
-    moe = RemoteMoE(ep, InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model), codec=codec, timeout=2.0)
+    moe = RemoteMoE(ep, InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model), **moe_kw)
     moe.loop = asyncio.get_running_loop()
-    await moe.refresh(model.layers)
-    bb = Backbone(model)
     try:
-        logits = await asyncio.to_thread(bb.forward, TOKENS, KVCache(), moe.hook if overlap else serial(moe.hook))
+        await moe.refresh(model.layers)
+        yield moe
     finally:
         await ep.close()
         for w, wep, _ in workers:
             await wep.close()
             w.close()
+
+
+async def run_remote(model, ranges, codec=Codec.F32, overlap=True):
+    async with remote_swarm(model, ranges, codec=codec, timeout=2.0) as moe:
+        logits = await asyncio.to_thread(Backbone(model).forward, TOKENS, KVCache(), moe.hook if overlap else serial(moe.hook))
     return logits, moe
 
 
@@ -95,32 +102,20 @@ def test_a_layer_starts_its_slowest_round_trip_first(model_dir):
     ranges = [(0, 4), (4, 8), (8, 12)]
 
     async def main():
-        board = InMemoryBoard()
-        workers = await start_swarm(model, ranges, board)
-        ident = Identity.generate()
-        ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=None)
-        cfg = model.cfg
-        moe = RemoteMoE(ep, InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model))
-        await moe.refresh(model.layers)
-        hosts = [moe.router.routes[0].hosts[g][0] for g in range(3)]
-        for host, rtt in zip(hosts, (20.0, 80.0, 40.0)):
-            moe.router.health[host.peer_id].rtt_ms = rtt
-        started, send = [], moe._send
+        async with remote_swarm(model, ranges) as moe:
+            hosts = [moe.router.routes[0].hosts[g][0] for g in range(3)]
+            for host, rtt in zip(hosts, (20.0, 80.0, 40.0)):
+                moe.router.health[host.peer_id].rtt_ms = rtt
+            started, send = [], moe._send
 
-        async def recording(host, *args):
-            started.append(host.peer_id)
-            return await send(host, *args)
+            async def recording(host, *args):
+                started.append(host.peer_id)
+                return await send(host, *args)
 
-        moe._send = recording
-        x = np.random.default_rng(0).standard_normal((1, cfg.n_embd)).astype(np.float32)
-        ids, w = np.array([[1, 5, 9, 2]]), np.full((1, 4), 0.25, dtype=np.float32)
-        try:
+            moe._send = recording
+            x = np.random.default_rng(0).standard_normal((1, model.cfg.n_embd)).astype(np.float32)
+            ids, w = np.array([[1, 5, 9, 2]]), np.full((1, 4), 0.25, dtype=np.float32)
             await moe.dispatch_layer(0, x, ids, w)
-        finally:
-            await ep.close()
-            for wk, wep, _ in workers:
-                await wep.close()
-                wk.close()
         return started, [hosts[1].peer_id, hosts[2].peer_id, hosts[0].peer_id]
 
     started, slowest_first = asyncio.run(main())
@@ -241,22 +236,9 @@ def test_hot_local_experts_are_exact_and_used(model_dir):
     ranges = [(0, 6), (6, 12)]
 
     async def main():
-        board = InMemoryBoard()
-        workers = await start_swarm(model, ranges, board)
-        ident = Identity.generate()
-        ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=None)
-        cfg = model.cfg
-        hot = HotExperts(cfg.n_layer, cfg.n_expert, 3)
-        moe = RemoteMoE(ep, InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model), hot=hot)
-        moe.loop = asyncio.get_running_loop()
-        await moe.refresh(model.layers)
-        try:
+        hot = HotExperts(model.cfg.n_layer, model.cfg.n_expert, 3)
+        async with remote_swarm(model, ranges, hot=hot) as moe:
             return await asyncio.to_thread(lambda: list(generate(Backbone(model), TOKENS, 24, moe.hook))), hot
-        finally:
-            await ep.close()
-            for w, wep, _ in workers:
-                await wep.close()
-                w.close()
 
     remote, hot = asyncio.run(main())
     store, part = ExpertStore(model), Partition(tuple(ranges))
