@@ -67,22 +67,24 @@ def bench_experts(as_json: bool, repeat: int, qtype: str, write_md: str | None) 
         "expert_compute": compute,
         "bytes_per_token_per_layer": message_bytes(cfg.n_embd, cfg.n_expert_used),
     }
+    lines = [f"{k}: {v}" for k, v in compute.items()]
+    lines += [f"{k}: out {v['out']} B, back {v['back']} B, total {v['total']} B" for k, v in result["bytes_per_token_per_layer"].items()]
+    publish(result, "moeswarm bench experts --json", write_md=write_md, as_json=as_json, lines=lines)
+
+
+def publish(result: dict, command: str, *, write_md: str | None, as_json: bool, lines: list[str]) -> None:
+    """Every benchmark's ending: append `result` under the `command` that produced it to `write_md` (if given), then
+    print it as JSON or as the human summary `lines`."""
     if write_md:
-        _append_md(write_md, "moeswarm bench experts --json", result)
+        import json
+
+        with open(write_md, "a") as f:
+            f.write(f"\n### `{command}` ({time.strftime('%Y-%m-%d')})\n\n```json\n{json.dumps(result, indent=1)}\n```\n")
     if as_json:
         emit_json(result)
     else:
-        for k, v in compute.items():
-            click.echo(f"{k}: {v}")
-        for k, v in result["bytes_per_token_per_layer"].items():
-            click.echo(f"{k}: out {v['out']} B, back {v['back']} B, total {v['total']} B")
-
-
-def _append_md(path: str, command: str, result: dict) -> None:
-    import json
-
-    with open(path, "a") as f:
-        f.write(f"\n### `{command}` ({time.strftime('%Y-%m-%d')})\n\n```json\n{json.dumps(result, indent=1)}\n```\n")
+        for line in lines:
+            click.echo(line)
 
 
 def message_bytes(d: int, k: int, n_tokens: int = 1) -> dict:
@@ -192,14 +194,8 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
         "identical": all(t == local[0][0] for t, _ in local + remote + remote_ledger),
         "rtt_ms": stats["rtt_ms"],
     }
-    if write_md:
-        _append_md(write_md, "moeswarm bench dispatch --json", result)
-    if as_json:
-        emit_json(result)
-    else:
-        for k, v in result["bytes_per_token_per_layer"].items():
-            click.echo(f"{k}: out {v['out']:.0f} B, back {v['back']:.0f} B, total {v['total']:.0f} B")
-        t = result["throughput"]
-        click.echo(f"decode: local {t['local_tokens_s']} tokens/s, remote {t['remote_tokens_s']} tokens/s, ratio {t['ratio']}; identical {result['identical']}")
-        lg = result["ledger"]
-        click.echo(f"ledgers: remote {lg['remote_tokens_s_without']} tokens/s without, {lg['remote_tokens_s_with']} with ({lg['cost_pct']}% cost)")
+    t, lg = result["throughput"], result["ledger"]
+    lines = [f"{k}: out {v['out']:.0f} B, back {v['back']:.0f} B, total {v['total']:.0f} B" for k, v in result["bytes_per_token_per_layer"].items()]
+    lines += [f"decode: local {t['local_tokens_s']} tokens/s, remote {t['remote_tokens_s']} tokens/s, ratio {t['ratio']}; identical {result['identical']}",
+              f"ledgers: remote {lg['remote_tokens_s_without']} tokens/s without, {lg['remote_tokens_s_with']} with ({lg['cost_pct']}% cost)"]  # fmt: skip
+    publish(result, "moeswarm bench dispatch --json", write_md=write_md, as_json=as_json, lines=lines)

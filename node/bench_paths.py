@@ -10,8 +10,7 @@ import click
 
 from experts.embedded import DEFAULT_PROMPT
 
-from .bench import _append_md, bench_group
-from .cli import emit_json
+from .bench import bench_group, publish
 from .launcher import Cluster
 
 
@@ -79,13 +78,8 @@ def bench_paths(as_json: bool, rtt_ms: float, attempts: int, n_tokens: int, writ
         mid = path_throughput(rtt_ms, n_tokens, Path(tmp) / "mid", rtt_ms / 2)
         result = {"rtt_ms": rtt_ms, **punch_stats(rtt_ms, attempts), **edge, "failed_dispatches": edge["failed_dispatches"] + mid["failed_dispatches"],
                   "relay_mid_wan": {k: mid[k] for k in ("relay_link_ms", "throughput", "identical", "rtt_ms_measured")}}
-    if write_md:
-        _append_md(write_md, f"moeswarm bench paths --json --rtt-ms {rtt_ms:g} --attempts {attempts}", result)
-    if as_json:
-        emit_json(result)
-    else:
-        for k, v in result["punch"].items():
-            click.echo(f"punch {k}: {v['ok']}/{v['tries']} direct")
-        t = result["throughput"]
-        click.echo(f"upgrade median {result['upgrade_ms_median']} ms; direct {t['direct_tokens_s']} tokens/s, relay at the edge {t['relay_tokens_s']} ({t['ratio']}x), "
-                   f"relay mid-WAN {result['relay_mid_wan']['throughput']['ratio']}x; failed dispatches {result['failed_dispatches']}")
+    t = result["throughput"]
+    lines = [f"punch {k}: {v['ok']}/{v['tries']} direct" for k, v in result["punch"].items()]
+    lines.append(f"upgrade median {result['upgrade_ms_median']} ms; direct {t['direct_tokens_s']} tokens/s, relay at the edge {t['relay_tokens_s']} ({t['ratio']}x), "
+                 f"relay mid-WAN {result['relay_mid_wan']['throughput']['ratio']}x; failed dispatches {result['failed_dispatches']}")
+    publish(result, f"moeswarm bench paths --json --rtt-ms {rtt_ms:g} --attempts {attempts}", write_md=write_md, as_json=as_json, lines=lines)

@@ -23,8 +23,7 @@ import numpy as np
 from experts.embedded import DEFAULT_PROMPT, EMBEDDED_MODEL
 from experts.gguf_model import GGUFModel
 
-from .bench import REFERENCE, _append_md, bench_group, message_bytes
-from .cli import emit_json
+from .bench import REFERENCE, bench_group, message_bytes, publish
 from .launcher import Cluster
 
 WORKERS = ("pub-worker", "pub-worker-2", "pub-worker-3")
@@ -229,15 +228,10 @@ def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_t
         result["plots"] = plot(by_rtt, result["bytes_per_token_per_layer"], Path(plot_dir))
     command = (f"moeswarm bench wan --json --rtt-ms {rtts} --tokens {n_tokens} --prompts {n_prompts} --session-tokens {session_tokens} "
                f"--session-rounds {session_rounds} --star-tokens {star_tokens}" + (f" --plots {plot_dir}" if plot_dir else ""))  # fmt: skip
-    if write_md:
-        _append_md(write_md, command, result)
-    if as_json:
-        emit_json(result)
-        return
-    for r in by_rtt:
-        click.echo(f"RTT {r['rtt_ms']:g} ms: " + ", ".join(f"{k} {v} tokens/s" for k, v in r["tokens_s"].items()) + f" (bound {r['bound_tokens_s']})")
     s = result["star"]
-    click.echo(f"8 sessions: {result['sessions8_aggregate_ratio']}x one session; star layer {s['layer_ms']} ms vs max RTT {s['max_rtt_ms']} ms ({s['ratio']}x)")
+    lines = [f"RTT {r['rtt_ms']:g} ms: " + ", ".join(f"{k} {v} tokens/s" for k, v in r["tokens_s"].items()) + f" (bound {r['bound_tokens_s']})" for r in by_rtt]
+    lines.append(f"8 sessions: {result['sessions8_aggregate_ratio']}x one session; star layer {s['layer_ms']} ms vs max RTT {s['max_rtt_ms']} ms ({s['ratio']}x)")
+    publish(result, command, write_md=write_md, as_json=as_json, lines=lines)
 
 
 __all__ = ["bench_wan"]
