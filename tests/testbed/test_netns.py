@@ -380,7 +380,10 @@ def test_cli_refuses_non_root_in_one_line():
     """Without root, `testbed up` says so in one line and builds nothing."""
     if shutil.which("setpriv") is None:
         pytest.skip("needs setpriv (util-linux) to drop root")
-    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *CLI, "up", "--name", "nonroot"],
+    # Still allowed to read files (CAP_DAC_READ_SEARCH, nothing else): the checkout may sit in a 0700 directory
+    # (e.g. `mktemp -d`) that user 65534 could not otherwise import the code from.
+    read_anything = ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *read_anything, *CLI, "up", "--name", "nonroot"],
                        capture_output=True, text=True, timeout=60, cwd="/")  # fmt: skip
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "needs root" in lines[0], p.stderr
