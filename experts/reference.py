@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MoeSwarmError
+from .errors import UsageError
 
 
 def llamacpp_logits(path: str | Path, tokens: list[int]) -> np.ndarray:
@@ -15,7 +15,7 @@ def llamacpp_logits(path: str | Path, tokens: list[int]) -> np.ndarray:
     try:
         import llama_cpp
     except ImportError:
-        raise MoeSwarmError("the llama.cpp reference needs llama-cpp-python: pip install -e '.[llama]'") from None
+        raise UsageError("the llama.cpp reference needs llama-cpp-python: pip install -e '.[llama]'") from None
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     llm = llama_cpp.Llama(
         model_path=str(path),

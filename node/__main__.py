@@ -1,5 +1,5 @@
 """`python -m node` runs the moeswarm CLI (handy in tests and in containers)."""
 
-from .cli import main
+from node.cli.root import main
 
 main()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from experts.errors import MoeSwarmError
+from experts.errors import UsageError
 
 
-class TestbedError(MoeSwarmError):
+class TestbedError(UsageError):
     """Building, using or removing a testbed failed; the message says which step and how to clean up."""
 
     __test__ = False  # not a pytest test class despite the name

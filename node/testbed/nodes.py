@@ -13,7 +13,7 @@ from pathlib import Path
 
 from experts.embedded import EMBEDDED_MODEL
 
-from ..launcher import Cluster, NodeProcess
+from node.launcher import Cluster, NodeProcess
 from .errors import TestbedError
 from .netns import Testbed
 

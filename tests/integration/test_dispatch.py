@@ -16,9 +16,9 @@ from experts.gguf_model import ExpertRange, GGUFModel
 from experts.moe import Partition, grouped_moe, partial_sum
 from experts.slices import ExpertStore
 from experts.verify import record_verdict
-from node.backbone import RemoteMoE
-from node.streaming import serial
-from node.worker import Worker
+from node.backbone.dispatch import RemoteMoE
+from node.cli.streaming import serial
+from node.worker.service import Worker
 from p2p import wire
 from p2p.discovery import InMemoryBoard, InMemoryDiscovery
 from p2p.identity import Identity
@@ -230,7 +230,7 @@ def test_hot_local_experts_are_exact_and_used(model_dir):
     bit for bit, greedy tokens equal those without hot-local, and the local hit rate is reported."""
     from experts.generate import generate
     from experts.moe import hot_grouped_moe
-    from node.hot import HotExperts
+    from node.backbone.hot import HotExperts
 
     model = GGUFModel(make_model(model_dir, "qwen2moe", n_expert=12, n_expert_used=4, n_layer=3))
     ranges = [(0, 6), (6, 12)]

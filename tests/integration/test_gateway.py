@@ -16,7 +16,7 @@ from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
-from node.gateway import CHAT_STOP, render_chat
+from node.gateway.server import CHAT_STOP, render_chat
 from node.launcher import Cluster
 
 pytestmark = pytest.mark.slow

@@ -471,7 +471,7 @@ def test_tls(tmp_path: Path) -> None:
 def test_relay_command_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
     """`moeswarm relay` serves /healthz, reports its URL and peer id, and exits cleanly on SIGTERM."""
     ready = tmp_path / "ready.json"
-    code = "import sys; import node.cli_relay; from node.cli import main; sys.exit(main())"
+    code = "import sys; import node.cli.relay; from node.cli.root import main; sys.exit(main())"
     cmd = [sys.executable, "-c", code, "relay", "--listen", f"{LOOPBACK}:0", "--data-dir", str(tmp_path / "d"),
            "--ready-file", str(ready)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -17,7 +17,7 @@ from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.launcher import Cluster
-from node.swarm import backbone_session, wait_for_hosts
+from node.backbone.session import backbone_session, wait_for_hosts
 from p2p.identity import Identity
 
 pytestmark = pytest.mark.slow

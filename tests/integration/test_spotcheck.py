@@ -14,7 +14,7 @@ from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.tokenizer import Tokenizer
 from node.launcher import Cluster
-from node.swarm import backbone_session, wait_for_hosts
+from node.backbone.session import backbone_session, wait_for_hosts
 from p2p.identity import Identity
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from experts.verify import record_verdict
 from node.launcher import Cluster
-from node.swarm import backbone_session, wait_for_hosts
+from node.backbone.session import backbone_session, wait_for_hosts
 from p2p.identity import Identity
 
 pytestmark = pytest.mark.slow

@@ -17,10 +17,10 @@ from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.speculative import speculative_generate
 from experts.tokenizer import Tokenizer
-from node.batching import BatchingError, BatchingMoE, LayerBatcher, Phase, affinity_groups
-from node.gateway import CHAT_STOP, ApiError, StopMatcher, parse_job, render_chat
-from node.prefix_cache import PrefixCache, ResumedBackbone
-from node.routing import Router
+from node.backbone.batching import BatchingError, BatchingMoE, LayerBatcher, Phase, affinity_groups
+from node.gateway.server import CHAT_STOP, ApiError, StopMatcher, parse_job, render_chat
+from node.backbone.prefix_cache import PrefixCache, ResumedBackbone
+from node.backbone.routing import Router
 from p2p.identity import Identity
 from p2p.records import HostedSlice, HostRecord
 

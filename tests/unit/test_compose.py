@@ -23,7 +23,7 @@ from ruamel.yaml import YAML
 
 from experts.gguf_model import GGUFModel
 from experts.slices import parse_range
-from node.cli import main as cli
+from node.cli.root import main as cli
 from p2p.identity import Identity
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.ledger import (
+from node.ledger.store import (
     COLUMNS, GENESIS, ChainChecker, ChainError, DispatchRef, Entry, EntryError, Event, Kind, Ledger, LedgerError,
     ReplayError, Role, Status, TransitionError, countersign, decode_row, ref_of, verify_countersignature,
 )  # fmt: skip
 from node.logs import configure_logging
-from node.receipts import Receipt, ReceiptError, ReceiptStamp, sign, work_units
+from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, sign, work_units
 from p2p.identity import Identity
 
 ROOT = Path(__file__).resolve().parents[2]

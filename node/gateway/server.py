@@ -14,7 +14,7 @@ and no locks.
   the rest of the context). Only n=1; logprobs, echo, suffix, penalties, logit_bias,
   tools and non-text response formats are refused with a 400 naming the parameter.
 * A repeated prompt prefix (a resent chat history) starts from cached keys/values
-  (:mod:`node.prefix_cache`), scoped to the session (requests without one share an
+  (:mod:`node.backbone.prefix_cache`), scoped to the session (requests without one share an
   anonymous scope); ``usage.prompt_tokens_details.cached_tokens`` says how many
   positions were reused, ``GET /v1/stats`` adds up hits, batching and dispatches.
 * Session id: the ``X-Session-Id`` header, else the request's ``user`` field. It scopes
@@ -47,11 +47,11 @@ from experts.generate import Sampling, generate
 from experts.speculative import default_drafter, speculative_generate
 from experts.tokenizer import StreamDecoder, Tokenizer
 
-from .backbone import Pins, RemoteMoE
-from .batching import BatchingMoE
-from .prefix_cache import PrefixCache, ResumedBackbone
+from node.backbone.dispatch import Pins, RemoteMoE
+from node.backbone.batching import BatchingMoE
+from node.backbone.prefix_cache import PrefixCache, ResumedBackbone
 
-log = structlog.get_logger("node.gateway")
+log = structlog.get_logger("node.gateway.server")
 
 CHAT_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 CHAT_STOP = "\nUser:"

@@ -6,15 +6,16 @@ import click
 import gguf
 
 from experts.codecs import Codec
-from experts.errors import MoeSwarmError
+from experts.errors import UsageError
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.random_model import SUPPORTED_QTYPES, random_config, write_random_model
 from experts.slices import check_slice, parse_range, write_slice
 
-from .cli import emit_json, main
+from node.cli.options import parse_size
+from node.cli.root import emit_json
 
 
-@main.command("slice")
+@click.command("slice")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--layers", required=True, help="Layer range, e.g. 0-3.")
 @click.option("--experts", "experts_", required=True, help="Expert range, e.g. 0-31.")
@@ -31,7 +32,7 @@ def slice_cmd(model: str, layers: str, experts_: str, output: str) -> None:
     click.echo(f"wrote {out}: layers {layers}, experts {experts_} of model {m.digest[:16]}... ({size / 1e6:.1f} MB of {m.path.stat().st_size / 1e6:.1f} MB)")
 
 
-@main.command("verify")
+@click.command("verify")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--wire", default="f32", show_default=True, type=click.Choice(["f32", "f16", "int8"]))
 @click.option("--reference", type=click.Choice(["llamacpp"]), default=None, help="Also compare with llama.cpp's logits.")
@@ -55,17 +56,9 @@ def verify_cmd(model: str, wire: str, reference: str | None, groups: int, as_jso
     raise SystemExit(0 if result["verdict"] == "pass" else 1)
 
 
-def parse_size(text: str) -> int:
-    """'512M', '2G', '1.5G', '4096' -> bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a size such as 512M or 2G") from None
 
 
-@main.command("inspect")
+@click.command("inspect")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--memory-budget", default=None, help="RAM for dequantized experts, e.g. 512M; decides cached vs on-the-fly.")
 @click.option("--against", type=click.Path(dir_okay=False), help="For a slice: the full model it must have been cut from.")
@@ -80,7 +73,7 @@ def inspect_cmd(model: str, memory_budget: str | None, against: str | None, as_j
     if m.is_slice:
         check_slice(m, GGUFModel(against).digest if against else None)
     elif against:
-        raise MoeSwarmError(f"{model} is a full model, not a slice; --against only applies to slices")
+        raise UsageError(f"{model} is a full model, not a slice; --against only applies to slices")
     budget = parse_size(memory_budget) if memory_budget else None
     plan = ExpertStore.plan_for(m, budget)
     info = {
@@ -103,7 +96,7 @@ def inspect_cmd(model: str, memory_budget: str | None, against: str | None, as_j
                + (f"{plan.budget / 2**20:.1f} MiB" if plan.budget is not None else "unlimited"))
 
 
-@main.group("model")
+@click.group("model")
 def model_group() -> None:
     """Model files: generate random models for tests and benchmarks."""
 

@@ -17,12 +17,21 @@ from experts.moe import partial_sum
 from experts.random_model import random_config, write_random_model
 from experts.slices import ExpertStore
 
-from .cli import emit_json, main
+from node.cli.root import LazyGroup, emit_json
 
 REFERENCE = dict(arch="qwen3moe", n_layer=1, n_embd=3072, n_head=24, n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768)
 
 
-@main.group("bench")
+@click.group(
+    "bench",
+    cls=LazyGroup,
+    lazy_subcommands={
+        "dispatch": "node.cli.bench:bench_dispatch",
+        "experts": "node.cli.bench:bench_experts",
+        "paths": "node.cli.bench_paths:bench_paths",
+        "wan": "node.cli.bench_wan:bench_wan",
+    },
+)
 def bench_group() -> None:
     """Benchmarks; results go to BENCHMARKS.md with the command that produced them."""
 
@@ -37,7 +46,7 @@ def _time(fn, repeat: int) -> float:
     return float(np.median(samples))
 
 
-@bench_group.command("experts")
+@click.command("experts")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--repeat", default=5, show_default=True)
 @click.option("--qtype", default="Q4_K", show_default=True)
@@ -107,7 +116,7 @@ def message_bytes(d: int, k: int, n_tokens: int = 1) -> dict:
     return out
 
 
-@bench_group.command("dispatch")
+@click.command("dispatch")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--tokens", "n_tokens", default=16, show_default=True, help="Decode steps timed per path.")
 @click.option("--qtype", default="Q4_K", show_default=True)
@@ -125,8 +134,8 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
     from experts.moe import Partition, grouped_moe
     from p2p.identity import Identity
 
-    from .launcher import Cluster
-    from .swarm import backbone_session, wait_for_hosts
+    from node.launcher import Cluster
+    from node.backbone.session import backbone_session, wait_for_hosts
 
     cfg = random_config(**{**REFERENCE, "n_layer": n_layer, "n_expert": n_expert})
     prompt = [72, 101, 108, 108, 111]

@@ -10,14 +10,14 @@ import click
 
 from experts.embedded import DEFAULT_PROMPT
 
-from .bench import bench_group, publish
-from .launcher import Cluster
+from node.cli.bench import publish
+from node.launcher import Cluster
 
 
 def punch_stats(rtt_ms: float, attempts: int) -> dict:
     from p2p.paths import PathState
 
-    from .testbed.punchlab import attempt, punch_lab
+    from node.testbed.punchlab import attempt, punch_lab
 
     out, upgrades = {}, []
     pairs = {"cone_public": ("worker-a", "pub-worker"), "cone_cone": ("worker-a", "worker-c"), "symmetric_any": ("worker-b", "pub-worker")}
@@ -38,8 +38,8 @@ def path_throughput(rtt_ms: float, n_tokens: int, workdir: Path, relay_link_ms: 
     """The same generation (F32 wire) with every expert on one worker `rtt_ms` away from the backbone: once dialled directly,
     once behind a symmetric NAT through the relay. `relay_link_ms` places the relay: 0 is next to the backbone (a
     provider's edge, as a CDN would put it), rtt_ms / 2 is mid-WAN (each relayed round trip crosses the WAN twice)."""
-    from .testbed.netns import Testbed
-    from .testbed.nodes import SwarmInTestbed
+    from node.testbed.netns import Testbed
+    from node.testbed.nodes import SwarmInTestbed
 
     links = {"backbone": 0.0, "pub-relay": relay_link_ms, "pub-worker": rtt_ms, "worker-b": rtt_ms}
     results = {}
@@ -62,7 +62,7 @@ def path_throughput(rtt_ms: float, n_tokens: int, workdir: Path, relay_link_ms: 
     }
 
 
-@bench_group.command("paths")
+@click.command("paths")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--rtt-ms", default=80.0, show_default=True, help="WAN round trip between the backbone and workers (and between punching peers).")
 @click.option("--attempts", default=20, show_default=True, help="Punch attempts per pair.")
@@ -70,7 +70,7 @@ def path_throughput(rtt_ms: float, n_tokens: int, workdir: Path, relay_link_ms: 
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
 def bench_paths(as_json: bool, rtt_ms: float, attempts: int, n_tokens: int, write_md: str | None) -> None:
     """Punch success (cone<->public, cone<->cone, symmetric), time to upgrade, relay vs direct throughput. Root only."""
-    from .testbed.netns import require_root
+    from node.testbed.netns import require_root
 
     require_root()
     with tempfile.TemporaryDirectory(prefix="moeswarm-paths-") as tmp:

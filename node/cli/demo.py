@@ -26,17 +26,17 @@ from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from p2p.identity import Identity
 
-from .cli import emit_json, main
-from .launcher import Cluster
-from .ledger import FILENAME
-from .runtime import data_dir, load_identity
-from .streaming import stream_tokens
-from .swarm import backbone_session, wait_for_hosts
+from node.cli.root import emit_json
+from node.launcher import Cluster
+from node.ledger.store import FILENAME
+from node.runtime import data_dir, load_identity
+from node.cli.streaming import stream_tokens
+from node.backbone.session import backbone_session, wait_for_hosts
 
 LOOPBACK_DATAGRAM = 16384  # everything runs on loopback: large QUIC datagrams cut per-packet cost (FIELD-NOTES)
 
 
-@main.command("demo")
+@click.command("demo")
 @click.option("--model", "model_path", default=str(EMBEDDED_MODEL), help="GGUF model (default: the embedded one).")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--tokens", "n_tokens", default=48, show_default=True)

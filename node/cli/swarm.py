@@ -15,19 +15,18 @@ from experts.gguf_model import ExpertRange, GGUFModel
 from experts.slices import parse_range
 from experts.tokenizer import Tokenizer
 
-from .cli import emit_json, main
-from .cli_model import parse_size
-from .ledger import FILENAME
-from .runtime import data_dir as node_dir, load_identity, parse_hostport
-from .streaming import stream_tokens
-from .swarm import WorkerOptions, backbone_session, run_bootstrap_node, run_worker, wait_for_hosts
-
-bootstrap_opt = click.option("--bootstrap", "bootstrap", multiple=True, help="DHT bootstrap multiaddr /ip4/H/tcp/P/p2p/ID (repeatable).")
-data_dir_opt = click.option("--data-dir", default=None, help="Where this node keeps its key (default ~/.moeswarm/ROLE).")
-ready_opt = click.option("--ready-file", default=None, help="Write a JSON line with this node's addresses once it serves.")
+from node.cli.root import LazyGroup, emit_json
+from node.cli.options import bootstrap_opt, data_dir_opt, parse_size, ready_opt
+from node.ledger.store import FILENAME
+from node.runtime import data_dir as node_dir, load_identity, parse_hostport
+from node.cli.streaming import stream_tokens
+from node.backbone.session import backbone_session, wait_for_hosts
+from node.bootstrap import run_bootstrap_node
+from node.worker.node import WorkerOptions, run_worker
 
 
-@main.command("bootstrap")
+
+@click.command("bootstrap")
 @click.option("--listen", default="127.0.0.1:4001", show_default=True, help="TCP HOST:PORT for the DHT.")
 @click.option("--quic-listen", default=None, help="UDP HOST:PORT where this node answers reachability probes and which it announces as a helper (default: the --listen host and port number, over UDP; a wildcard host is not announced).")
 @bootstrap_opt
@@ -41,7 +40,7 @@ def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ..
     asyncio.run(run_bootstrap_node(ident, listen, bootstrap, ready_file, quic))
 
 
-@main.command("worker")
+@click.command("worker")
 @click.option("--model", "model_path", default=None, help="Full model GGUF (host a part of it).")
 @click.option("--slice", "slice_path", default=None, help="Slice GGUF from `moeswarm slice`.")
 @click.option("--model-digest", default=None, help="With --slice: refuse a slice of any other model.")
@@ -92,12 +91,12 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
     asyncio.run(run_worker(ident, opts, ready_file, None if no_ledger else home / FILENAME))
 
 
-@main.group("backbone")
+@click.group("backbone", cls=LazyGroup, lazy_subcommands={"generate": "node.cli.swarm:generate_cmd", "serve": "node.cli.serve:serve_cmd"})
 def backbone_group() -> None:
     """Backbone: run a model whose experts live on swarm workers."""
 
 
-@backbone_group.command("generate")
+@click.command("generate")
 @click.option("--model", "model_path", required=True, help="Full model GGUF (the backbone runs its dense part).")
 @bootstrap_opt
 @click.argument("prompt")

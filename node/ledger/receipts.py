@@ -6,7 +6,7 @@ and signature (:class:`ReceiptStamp`, 72 bytes). Each side rebuilds the same
 canonical :class:`Receipt` body from what it sent and received; the worker's
 signature over it proves the work was accepted for exactly these inputs and
 outputs, and binds the unique dispatch id to both peer ids so it can't be replayed
-between other peers. The ledger stores full receipts (see :mod:`node.ledger`).
+between other peers. The ledger stores full receipts (see :mod:`node.ledger.store`).
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ from experts.slices import ExpertStore
 from p2p import wire
 from p2p.identity import Identity, PeerId
 
-from .ledger_sink import LedgerSink
-from .receipts import Receipt, digest, sign, work_units
+from node.ledger.sink import LedgerSink
+from node.ledger.receipts import Receipt, digest, sign, work_units
 
-log = structlog.get_logger("node.worker")
+log = structlog.get_logger("node.worker.service")
 # Batches up to this much work (expert-token FLOPs, see receipts.work_units) are computed on the event loop: a
 # few tokens of a small model take ~0.1 ms there, while the round trip through the pool thread costs ~1 ms under
 # load. Larger batches go to the pool so the loop keeps serving other requests meanwhile.

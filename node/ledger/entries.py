@@ -33,10 +33,10 @@ from enum import StrEnum
 from functools import cached_property
 from typing import NamedTuple, get_type_hints
 
-from experts.errors import MoeSwarmError
+from experts.errors import UsageError
 from p2p.identity import Identity, IdentityError, PeerId
 
-from .receipts import Receipt, ReceiptError, ReceiptStamp, verify
+from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, verify
 
 GENESIS = b"\0" * 32  # prev_hash of entry 1
 ENTRY_CONTEXT = b"moeswarm/ledger-entry/v1\0"
@@ -50,7 +50,7 @@ MAX_NOTE = 1024
 SIG_LEN = 64
 
 
-class LedgerError(MoeSwarmError):
+class LedgerError(UsageError):
     """The ledger file is missing, not a ledger, someone else's, or opened read-only for a write."""
 
 

@@ -7,10 +7,10 @@ import sys
 
 import click
 
-from .cli import emit_json, main
-from .testbed import Testbed, TestbedError, down_stale, require_root, teardown
-from .testbed.netns import exists, list_states
-from .testbed.topology import Nat, normalize_prefix
+from node.cli.root import emit_json
+from node.testbed import Testbed, TestbedError, down_stale, require_root, teardown
+from node.testbed.netns import exists, list_states
+from node.testbed.topology import Nat, normalize_prefix
 
 
 def _only_testbed(name: str | None) -> str:
@@ -37,7 +37,7 @@ def parse_links(items: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-@main.group("testbed")
+@click.group("testbed")
 def testbed_group() -> None:
     """Network namespaces with real NAT and WAN latency, for trying the swarm across routers (needs root)."""
 
@@ -92,4 +92,3 @@ def down_cmd(name: str | None, all_stale: bool) -> None:
     emit_json({"removed": [prefix]})
 
 
-__all__ = ["main", "testbed_group"]

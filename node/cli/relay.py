@@ -11,14 +11,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from p2p.identity import Identity
 from relay.server import RelayServer, run_relay
 
-from .cli import emit_json, main
-from .runtime import data_dir as node_dir
-from .runtime import load_identity, parse_hostport, until_stopped, write_ready
+from node.cli.root import emit_json
+from node.runtime import data_dir as node_dir
+from node.runtime import load_identity, parse_hostport, until_stopped, write_ready
 
 _PEM = click.Path(exists=True, dir_okay=False)
 
 
-@main.command("relay")
+@click.command("relay")
 @click.option("--listen", default="127.0.0.1:3340", show_default=True, help="TCP HOST:PORT for HTTP(S)/WebSocket.")
 @click.option("--tls-cert", default=None, type=_PEM, help="PEM certificate (chain): serve https:// and wss://.")
 @click.option("--tls-key", default=None, type=_PEM, help="PEM private key for --tls-cert.")

@@ -23,8 +23,8 @@ import numpy as np
 from experts.embedded import DEFAULT_PROMPT, EMBEDDED_MODEL
 from experts.gguf_model import GGUFModel
 
-from .bench import REFERENCE, bench_group, message_bytes, publish
-from .launcher import Cluster
+from node.cli.bench import REFERENCE, message_bytes, publish
+from node.launcher import Cluster
 
 WORKERS = ("pub-worker", "pub-worker-2", "pub-worker-3")
 EXPERT_RANGES = ("0-10", "11-21", "22-31")
@@ -50,7 +50,7 @@ PROMPTS = (
 
 def _swarm(tb, cluster):
     """Bootstrap and the three workers; returns the swarm and the workers' peer ids (in WORKERS order)."""
-    from .testbed.nodes import SwarmInTestbed
+    from node.testbed.nodes import SwarmInTestbed
 
     swarm = SwarmInTestbed(tb, cluster)
     swarm.start_bootstrap()
@@ -60,7 +60,7 @@ def _swarm(tb, cluster):
 
 def decode_variants(rtt_ms: float, n_tokens: int, workdir: Path, n_moe_layers: int, prompts: tuple[str, ...]) -> dict:
     """tokens/s of each variant over `prompts` at `rtt_ms` (backbone <-> every worker), and the plain-decoding bound."""
-    from .testbed.netns import Testbed
+    from node.testbed.netns import Testbed
 
     with Testbed(rtt_ms=rtt_ms, public_workers=3) as tb, Cluster(workdir) as cluster:
         swarm, _ = _swarm(tb, cluster)
@@ -125,7 +125,7 @@ def _drive(url: str, n_tokens: int, rounds: int) -> dict:
 def sessions(rtt_ms: float, n_tokens: int, rounds: int, workdir: Path) -> dict:
     """Continuous batching through the gateway: 8 concurrent sessions vs one at a time, without speculation (each
     pass then yields one token per session, so the ratio is the batching alone) and with it."""
-    from .testbed.netns import Testbed
+    from node.testbed.netns import Testbed
 
     out = {}
     with Testbed(rtt_ms=rtt_ms, public_workers=3) as tb, Cluster(workdir) as cluster:
@@ -142,7 +142,7 @@ def sessions(rtt_ms: float, n_tokens: int, rounds: int, workdir: Path) -> dict:
 def star(n_tokens: int, workdir: Path) -> dict:
     """Workers 20/40/80 ms from the backbone: the median layer that fanned out to all three, against the slowest
     worker's RTT as configured and as measured (its median dispatch round trip, which includes its compute)."""
-    from .testbed.netns import Testbed
+    from node.testbed.netns import Testbed
 
     links = {"backbone": 0.0, **STAR_LINKS_MS}
     with Testbed(rtt_ms=0, links=links, public_workers=3) as tb, Cluster(workdir) as cluster:
@@ -189,7 +189,7 @@ def plot(by_rtt: list[dict], bytes_per_codec: dict, out_dir: Path) -> list[str]:
     return [str(tokens_png), str(bytes_png)]
 
 
-@bench_group.command("wan")
+@click.command("wan")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--rtt-ms", "rtts", default="0,20,80", show_default=True, help="Comma-separated RTTs between the backbone and the workers.")
 @click.option("--tokens", "n_tokens", default=32, show_default=True, help="Tokens per decoding run.")
@@ -201,7 +201,7 @@ def plot(by_rtt: list[dict], bytes_per_codec: dict, out_dir: Path) -> list[str]:
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
 def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_tokens: int, session_rounds: int, star_tokens: int, plot_dir: str | None, write_md: str | None) -> None:
     """Tokens/s vs RTT per technique, 8 sessions vs 1, parallel-star layer time (embedded model, testbed; root only)."""
-    from .testbed.netns import require_root
+    from node.testbed.netns import require_root
 
     require_root()
     try:

@@ -56,9 +56,9 @@ import structlog
 
 from experts.forward import MoeFfn
 
-from .backbone import Pins, RemoteMoE
+from node.backbone.dispatch import Pins, RemoteMoE
 
-log = structlog.get_logger("node.batching")
+log = structlog.get_logger("node.backbone.batching")
 
 DEFAULT_WINDOW_S = 0.002
 

@@ -15,19 +15,19 @@ from experts.gguf_model import GGUFModel
 from experts.tokenizer import Tokenizer
 from p2p.identity import Identity
 
-from .batching import DEFAULT_WINDOW_S, BatchingMoE
-from .cli_model import parse_size
-from .cli_swarm import backbone_group, bootstrap_opt, data_dir_opt, ready_opt
-from .gateway import Engine, Gateway
-from .ledger import FILENAME
-from .prefix_cache import PrefixCache
-from .runtime import data_dir as node_dir, load_identity, parse_hostport, until_stopped, write_ready
-from .swarm import backbone_session, wait_for_hosts
+from node.backbone.batching import DEFAULT_WINDOW_S, BatchingMoE
+from node.cli.options import parse_size
+from node.cli.options import bootstrap_opt, data_dir_opt, ready_opt
+from node.gateway.server import Engine, Gateway
+from node.ledger.store import FILENAME
+from node.backbone.prefix_cache import PrefixCache
+from node.runtime import data_dir as node_dir, load_identity, parse_hostport, until_stopped, write_ready
+from node.backbone.session import backbone_session, wait_for_hosts
 
-log = structlog.get_logger("node.cli_serve")
+log = structlog.get_logger("node.cli.serve")
 
 
-@backbone_group.command("serve")
+@click.command("serve")
 @click.option("--model", "model_path", default=str(EMBEDDED_MODEL), show_default="the embedded model", help="Full model GGUF (the backbone runs its dense part).")
 @bootstrap_opt
 @click.option("--http", "http_addr", default="127.0.0.1:8000", show_default=True, help="HOST:PORT for the OpenAI-compatible API (port 0: any free port).")

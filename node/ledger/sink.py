@@ -17,10 +17,10 @@ import structlog
 
 from p2p.identity import Identity
 
-from .ledger import Event, Ledger, LedgerError, ref_of
-from .receipts import Receipt, ReceiptStamp
+from node.ledger.store import Event, Ledger, LedgerError, ref_of
+from node.ledger.receipts import Receipt, ReceiptStamp
 
-log = structlog.get_logger("node.ledger")
+log = structlog.get_logger("node.ledger.store")
 _STOP = object()
 MAX_BATCH = 256
 

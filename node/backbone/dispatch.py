@@ -37,13 +37,13 @@ from p2p.quic import Endpoint, TransportError
 from p2p.nat import NatTraversal, path_of
 from relay.client import RelayClient, RelayPath, RelayUnavailable, attach
 
-from .hot import HotExperts
-from .ledger_sink import LedgerSink
-from .receipts import Receipt, ReceiptError, ReceiptStamp, digest, verify, work_units
-from .routing import Host, Router
-from .spotcheck import SpotChecker, compare
+from node.backbone.hot import HotExperts
+from node.ledger.sink import LedgerSink
+from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, digest, verify, work_units
+from node.backbone.routing import Host, Router
+from node.backbone.spotcheck import SpotChecker, compare
 
-log = structlog.get_logger("node.backbone")
+log = structlog.get_logger("node.backbone.dispatch")
 KEEP_RECENT = 100_000
 
 

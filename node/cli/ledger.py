@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from .cli import emit_json, main
-from .ledger import FILENAME, Ledger, LedgerError, Role
+from node.cli.root import emit_json
+from node.ledger.store import FILENAME, Ledger, LedgerError, Role
 
 ledger_opt = click.option("--ledger", "ledger_path", default=None, type=click.Path(dir_okay=False), help=f"Ledger file (default $MOESWARM_HOME/ROLE/{FILENAME}).")
 role_opt = click.option("--role", type=click.Choice([r.value for r in Role]), default=None, help="Without --ledger: whose ledger under $MOESWARM_HOME (default: the one that exists).")
@@ -47,7 +47,7 @@ def parse_since(ctx: click.Context, param: click.Parameter, text: str | None) ->
     return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
 
 
-@main.group("ledger")
+@click.group("ledger")
 def ledger_group() -> None:
     """The paid-work ledger: receipts of dispatches bought (backbone) or sold (worker)."""
 

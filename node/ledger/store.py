@@ -1,4 +1,4 @@
-"""The paid-work ledger file: SQLite storage for the hash-chained entries of :mod:`node.ledger_entries`.
+"""The paid-work ledger file: SQLite storage for the hash-chained entries of :mod:`node.ledger.entries`.
 
 WAL with ``synchronous=FULL``: an append that returned survives a crash. Appends come in
 batches, one transaction each, and the owner re-signs the head after every batch; reads
@@ -22,12 +22,12 @@ import structlog
 
 from p2p.identity import Identity
 
-from .ledger_entries import (  # noqa: F401  (re-exported: the ledger's public names)
+from node.ledger.entries import (  # noqa: F401  (re-exported: the ledger's public names)
     APPLICATION_ID, COLUMNS, FORMAT_VERSION, GENESIS, RECEIPT_COLUMNS, RECEIPT_KINDS, RECEIPT_TYPES, ChainChecker, ChainError, DispatchRef, Entry,
     EntryError, Event, Kind, LedgerError, ReplayError, Role, Status, TransitionError, VerifyReport, check_rules, countersign, decode_row,
     head_bytes, ref_of, verify_countersignature, verify_signatures,
 )  # fmt: skip
-from .receipts import Receipt, ReceiptStamp, verify
+from node.ledger.receipts import Receipt, ReceiptStamp, verify
 
 log = structlog.get_logger("moeswarm.ledger")
 
