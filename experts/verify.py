@@ -11,19 +11,21 @@ stored so dispatch can refuse a lossy codec for a model that has not passed.
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
 from .codecs import Codec, roundtrip
-from .errors import CodecError
 from .forward import Backbone, KVCache
 from .gguf_model import GGUFModel
-from .moe import ExpertSource, Partition, combine, grouped_moe, partial_sum, ungrouped_moe
+from .moe import (
+    ExpertSource,
+    Partition,
+    combine,
+    grouped_moe,
+    partial_sum,
+    ungrouped_moe,
+)
 from .slices import ExpertStore
 
 MIN_COSINE = 0.999
@@ -101,7 +103,6 @@ def run_gate(model: GGUFModel, codec: Codec, *, groups: int = 3, prompt: str = D
         ref = {"engine": "llamacpp", "min_cosine": c.min_cosine, "argmax_agree": c.argmax_agree, "positions": c.positions, "near_ties_excluded": c.near_ties_excluded, "max_abs_diff": c.max_abs_diff}
         gate_ok = gate_ok and c.min_cosine >= MIN_COSINE and c.argmax_agree == 1.0
     verdict = "pass" if gate_ok else "fail"
-    record_verdict(model.digest, codec, verdict)
     return {
         "model_digest": model.digest,
         "model": str(model.path),
@@ -113,51 +114,3 @@ def run_gate(model: GGUFModel, codec: Codec, *, groups: int = 3, prompt: str = D
         "reference": ref,
         "verdict": verdict,
     }
-
-
-# ---- verdict store ---------------------------------------------------------------------------
-
-
-def verdict_path() -> Path:
-    home = os.environ.get("MOESWARM_HOME") or Path.home() / ".moeswarm"
-    return Path(home) / "verdicts.json"
-
-
-def _load() -> dict:
-    p = verdict_path()
-    try:
-        return json.loads(p.read_text()) if p.exists() else {}
-    except ValueError:
-        raise CodecError(f"verdict store {p} is corrupt; delete it and re-run `moeswarm verify`") from None
-
-
-def record_verdict(digest: str, codec: Codec, verdict: str) -> None:
-    p = verdict_path()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    data = _load()
-    data.setdefault(digest, {})[codec.name.lower()] = {"verdict": verdict, "at": int(time.time())}
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, p)
-
-
-def is_verified(digest: str, codec: Codec) -> bool:
-    return not codec.lossy or _load().get(digest, {}).get(codec.name.lower(), {}).get("verdict") == "pass"
-
-
-def default_wire(digest: str) -> Codec:
-    """The wire a backbone uses unless told otherwise: F16 (half the bytes) once the model's F16 gate
-    passed, else exact F32."""
-    return Codec.F16 if is_verified(digest, Codec.F16) else Codec.F32
-
-
-def require_verified(digest: str, codec: Codec) -> None:
-    """Refuse a lossy codec for a model whose gate has not passed for that codec."""
-    if not codec.lossy:
-        return
-    entry = _load().get(digest, {}).get(codec.name.lower())
-    if not entry or entry.get("verdict") != "pass":
-        raise CodecError(
-            f"wire codec {codec.name.lower()} is not verified for model {digest[:16]}...; "
-            f"run `moeswarm verify MODEL.gguf --wire {codec.name.lower()}` first (or use --wire f32)"
-        )

@@ -7,11 +7,10 @@ from collections.abc import Sequence
 
 import structlog
 
+from node.runtime import parse_hostport, until_stopped, write_ready
 from p2p.dht import LibP2PDiscovery
 from p2p.helpers import serve_helper
 from p2p.identity import Identity
-
-from node.runtime import parse_hostport, until_stopped, write_ready
 
 log = structlog.get_logger("node.backbone.session")
 

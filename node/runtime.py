@@ -11,8 +11,13 @@ from pathlib import Path
 from p2p.identity import Identity
 
 
+def moeswarm_home() -> Path:
+    """Where nodes keep keys, ledgers and verdicts unless told otherwise: $MOESWARM_HOME or ~/.moeswarm."""
+    return Path(os.environ.get("MOESWARM_HOME") or Path.home() / ".moeswarm")
+
+
 def data_dir(path: str | None, role: str) -> Path:
-    d = Path(path) if path else Path(os.environ.get("MOESWARM_HOME") or Path.home() / ".moeswarm") / role
+    d = Path(path) if path else moeswarm_home() / role
     d.mkdir(parents=True, exist_ok=True)
     return d
 

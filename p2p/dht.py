@@ -548,8 +548,8 @@ class LibP2PDiscovery:
         """The live reachability helpers the DHT knows (``records.HelperRecord``)."""
         return await self._call(self._node.lookup_helpers)
 
-    async def lookup(self, model_digest: str, layer: int) -> list[HostRecord]:
-        return await self._call(self._node.lookup, model_digest, layer)
+    async def lookup(self, model_digest: str, layer: int, *, fresh: bool = False) -> list[HostRecord]:
+        return await self._call(self._node.lookup, model_digest, layer)  # no cache here: always fresh
 
     async def routing_peers(self) -> list[str]:
         """Peer ids in this node's Kademlia routing table (servers only)."""

@@ -50,8 +50,11 @@ class Discovery(Protocol):
     async def withdraw(self) -> None:
         """Replace every announced record with a tombstone, so lookups drop this node at once."""
 
-    async def lookup(self, model_digest: str, layer: int) -> list[HostRecord]:
-        """Live, validated hosts of (model, layer): one record per peer (the newest), sorted by peer id."""
+    async def lookup(self, model_digest: str, layer: int, *, fresh: bool = False) -> list[HostRecord]:
+        """Live, validated hosts of (model, layer): one record per peer (the newest), sorted by peer id.
+
+        ``fresh``: answer from the network, not from a cache (a backend without a cache ignores it).
+        """
 
     async def close(self) -> None:
         """Release the backend. Does not withdraw: call withdraw() first on a graceful shutdown."""
@@ -212,7 +215,7 @@ class InMemoryDiscovery:
         for pub in self._announcer.withdraw(now):
             self._board.put(pub.key, pub.value, now)
 
-    async def lookup(self, model_digest: str, layer: int) -> list[HostRecord]:
+    async def lookup(self, model_digest: str, layer: int, *, fresh: bool = False) -> list[HostRecord]:
         self._check_open()
         now = self._clock()
         return live_hosts(self._board.records(now), model_digest, layer, now)
@@ -233,7 +236,7 @@ class CachedDiscovery:
     An entry younger than ``ttl`` is answered from memory; once older than ``refresh_after`` it is
     still answered from memory while one background lookup refreshes it. A missing or stale entry
     waits for a lookup that concurrent callers share. Records expiring while cached are dropped
-    when read. `invalidate()` forgets an entry (e.g. after a host stopped answering).
+    when read. ``lookup(..., fresh=True)`` skips the cache (e.g. after a host stopped answering).
     A libp2p lookup costs ~60-90 ms of CPU (py-libp2p RPCs are slow), hence the long default ttl.
     """
 
@@ -259,10 +262,10 @@ class CachedDiscovery:
     async def withdraw(self) -> None:
         await self._inner.withdraw()
 
-    async def lookup(self, model_digest: str, layer: int) -> list[HostRecord]:
+    async def lookup(self, model_digest: str, layer: int, *, fresh: bool = False) -> list[HostRecord]:
         slot = (model_digest, layer)
         now = self._clock()
-        entry = self._entries.get(slot)
+        entry = None if fresh else self._entries.get(slot)
         if entry is None or now - entry.fetched_at >= self._ttl:
             records = await asyncio.shield(self._fetch(slot))
             now = self._clock()
@@ -273,9 +276,6 @@ class CachedDiscovery:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
         return [r for r in records if r.is_live(now)]
-
-    def invalidate(self, model_digest: str, layer: int) -> None:
-        self._entries.pop((model_digest, layer), None)
 
     async def close(self) -> None:
         tasks = [*self._inflight.values(), *self._background]

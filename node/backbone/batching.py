@@ -55,7 +55,6 @@ import numpy as np
 import structlog
 
 from experts.forward import MoeFfn
-
 from node.backbone.dispatch import Pins, RemoteMoE
 
 log = structlog.get_logger("node.backbone.batching")

@@ -29,19 +29,23 @@ import structlog
 from experts import codecs
 from experts.codecs import Codec
 from experts.moe import ExpertSource, combine, partial_sum
-from experts.verify import require_verified
-from p2p import wire
-from p2p.discovery import Discovery
-from p2p.identity import PeerId
-from p2p.quic import Endpoint, TransportError
-from p2p.nat import NatTraversal, path_of
-from relay.client import RelayClient, RelayPath, RelayUnavailable, attach
-
 from node.backbone.hot import HotExperts
-from node.ledger.sink import LedgerSink
-from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, digest, verify, work_units
 from node.backbone.routing import Host, Router
 from node.backbone.spotcheck import SpotChecker, compare
+from node.ledger.receipts import (
+    Receipt,
+    ReceiptError,
+    ReceiptStamp,
+    digest,
+    verify,
+    work_units,
+)
+from node.ledger.sink import LedgerSink
+from p2p import wire
+from p2p.connector import Connector
+from p2p.discovery import Discovery
+from p2p.identity import PeerId
+from p2p.quic import TransportError
 
 log = structlog.get_logger("node.backbone.dispatch")
 KEEP_RECENT = 100_000
@@ -134,7 +138,7 @@ class RemoteMoE:
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        connector: Connector,
         discovery: Discovery,
         model_digest: str,
         n_embd: int,
@@ -142,15 +146,19 @@ class RemoteMoE:
         n_expert: int,
         fallback: ExpertSource,
         *,
+        loop: asyncio.AbstractEventLoop,
         codec: Codec = Codec.F32,
         timeout: float = 5.0,
         spot_check: float = 0.0,
         spot_seed: int | None = None,
         ledger: LedgerSink | None = None,
         hot: HotExperts | None = None,
+        max_price: int | None = None,
     ) -> None:
-        require_verified(model_digest, codec)
-        self.endpoint = endpoint
+        """Everything the dispatcher needs, complete: *codec* must already be allowed for the model (the
+        composition root checks the verdict store), *loop* owns *connector*'s endpoint (:meth:`hook` is
+        called from the forward's thread and hands each layer to it)."""
+        self.connector = connector
         self.discovery = discovery
         self.model_digest = model_digest
         self._model_id = wire.model_id_of(bytes.fromhex(model_digest))
@@ -158,16 +166,14 @@ class RemoteMoE:
         self.fallback = fallback
         self.codec = codec
         self.timeout = timeout
-        self.router = Router(n_expert)
+        self.router = Router(n_expert, max_price=max_price)
         self.stats = DispatchStats()
         self.receipts: deque[Receipt] = deque(maxlen=KEEP_RECENT)  # recent; the ledger holds them all
         self.disputes: deque[Dispute] = deque(maxlen=KEEP_RECENT)
         self.checker = SpotChecker(spot_check, spot_seed)
         self.ledger = ledger  # every verified receipt, and every dispute, is appended (off the hot path)
         self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
-        self.relays: dict[str, RelayPath] = {}  # relay URL -> our client there, for NAT-bound hosts
-        self.nat: NatTraversal | None = None  # reachability and hole punching towards relayed hosts (backbone_session)
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop = loop
 
     async def refresh(self, layers: range) -> None:
         """Look up every layer's hosts (through the discovery cache) and rebuild the routes."""
@@ -179,7 +185,6 @@ class RemoteMoE:
 
         Returns a Future at once, so the forward computes the shared expert during the round trip.
         """
-        assert self.loop is not None, "RemoteMoE.loop must be set to the loop that owns the endpoint"
         self.stats.tokens_forwarded += x.shape[0]
         return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w, pins), self.loop)
 
@@ -215,36 +220,6 @@ class RemoteMoE:
         if self.hot:
             self.hot.observe(layer, ids)
         return combine(partials)
-
-    async def _relay_address(self, host: Host) -> tuple[str, int]:
-        """The endpoint address of a NAT-bound host: through a client of its relay (one per relay, kept)."""
-        url = host.relay.url
-        path = self.relays.get(url)
-        if path is None:
-            client = RelayClient(self.endpoint.identity, url, expected_relay=host.relay.peer_id)
-            path = self.relays[url] = attach(self.endpoint, client)
-            if self.nat is not None:  # punch peers behind the first relay to direct paths (one path manager per socket)
-                self.nat.attach_relay(client, initiate=True)
-            client.start()
-        try:
-            await path.client.wait_connected(self.timeout)
-        except RelayUnavailable as exc:
-            raise DispatchFailed(f"relay {url} unreachable: {exc}") from None
-        if self.nat is not None and self.nat.manager is not None:
-            # Punch now, beside this relayed dispatch (coordination goes over the relay link, not the QUIC
-            # connection), rather than at the path manager's next look at relayed peers; a no-op while a punch
-            # runs, after a success, or during the peer's backoff.
-            self.nat.manager.upgrade(host.peer_id)
-        return path.address(host.peer_id)
-
-    async def close_relays(self) -> None:
-        if self.nat is not None:
-            await self.nat.close()
-            self.nat = None
-        for path in self.relays.values():
-            path.detach()
-            await path.client.close()
-        self.relays.clear()
 
     async def _local(self, layer: int, x, ids, w, held) -> np.ndarray:
         loop = asyncio.get_running_loop()
@@ -285,11 +260,10 @@ class RemoteMoE:
         ok, reply_len, path = False, 0, host.path
         try:
             try:
-                addr = host.addr or await self._relay_address(host)
-                raw = await self.endpoint.request(addr, host.peer_id, data, timeout=self.timeout)
+                reply = await self.connector.request(host.peer_id, host.addr, host.relay, data, timeout=self.timeout)
             except TransportError as exc:
                 raise DispatchFailed(f"{type(exc).__name__}: {exc}") from None
-            path = host.path if host.addr else path_of(self.endpoint, host.peer_id)  # relayed, or punched direct
+            raw, path = reply.data, reply.path
             reply_len = len(raw)
             try:
                 msg = wire.decode(raw)
@@ -361,7 +335,7 @@ class RemoteMoE:
             raise DispatchFailed(f"receipt rejected: {exc}") from None
         receipt = Receipt(
             dispatch_id=req.dispatch_id.hex(),
-            backbone=str(self.endpoint.peer_id),
+            backbone=str(self.connector.peer_id),
             worker=str(host.peer_id),
             model_digest=self.model_digest,
             layer=req.layer,
@@ -384,10 +358,7 @@ class RemoteMoE:
                 return candidate, stamp
             except ReceiptError as exc:
                 first_error = first_error or exc
-        invalidate = getattr(self.discovery, "invalidate", None)
-        if invalidate:
-            invalidate(self.model_digest, req.layer)
-        records = await self.discovery.lookup(self.model_digest, req.layer)
+        records = await self.discovery.lookup(self.model_digest, req.layer, fresh=True)
         fresh = [r for r in records if r.peer_id == host.peer_id]
         if fresh and fresh[0].hosted.price != host.price:
             self.router.update(req.layer, records)

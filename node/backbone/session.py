@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
@@ -14,48 +15,50 @@ import structlog
 from experts.codecs import Codec
 from experts.gguf_model import GGUFModel
 from experts.slices import ExpertStore
+from node.backbone.dispatch import RemoteMoE
+from node.backbone.hot import HotExperts
+from node.ledger.sink import LedgerSink
+from node.verdicts import require_verified
+from p2p.connector import Connector
 from p2p.dht import LibP2PDiscovery
 from p2p.discovery import CachedDiscovery
 from p2p.helpers import NodeReachability
 from p2p.identity import Identity
 from p2p.quic import Endpoint
-
-from node.backbone.dispatch import RemoteMoE
-from node.backbone.hot import HotExperts
-from node.ledger.sink import LedgerSink
+from relay.client import RelayClient, attach
 
 log = structlog.get_logger("node.backbone.session")
 
 
 @asynccontextmanager
 async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, memory_budget: int | None = None, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, ledger_path: Path | None = None, max_price: int | None = None, local_experts: int = 0, local_memory: int | None = None):
-    """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, local fallback experts."""
-    endpoint = await Endpoint.bind(identity, listen[0], listen[1], handler=None, max_datagram_size=max_datagram)
-    dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
-    ledger = LedgerSink(ledger_path, "backbone", identity) if ledger_path else None
-    reach = NodeReachability(endpoint, dht)  # answers probes; our own verdict gives the addresses punches need
-    moe, checking = None, None
-    try:
+    """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, connector, local fallback experts."""
+    require_verified(model.digest, codec)  # a lossy wire only after its gate passed on this machine
+    async with contextlib.AsyncExitStack() as stack:
+        endpoint = await Endpoint.bind(identity, listen[0], listen[1], handler=None, max_datagram_size=max_datagram)
+        stack.push_async_callback(endpoint.close)
+        dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
+        stack.push_async_callback(dht.close)
+        if ledger_path:
+            ledger = LedgerSink(ledger_path, "backbone", identity)
+            stack.callback(ledger.close)
+        else:
+            ledger = None
+        reach = NodeReachability(endpoint, dht)  # answers probes; our own verdict gives the addresses punches need
+        stack.push_async_callback(reach.close)
         await dht.start()
         reach.start()
         checking = asyncio.create_task(reach.check())  # in the background: dispatches start on the relay anyway
+        stack.push_async_callback(_cancel, checking)
+        connector = Connector(endpoint, relay_route=lambda url, relay_peer: attach(endpoint, RelayClient(identity, url, expected_relay=relay_peer)), nat=reach.nat)
+        stack.push_async_callback(connector.close)
         cfg = model.cfg
-        moe = RemoteMoE(endpoint, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model, memory_budget=memory_budget), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory))
-        moe.router.max_price = max_price
-        moe.loop = asyncio.get_running_loop()
-        moe.nat = reach.nat
-        yield moe
-    finally:
-        if checking is not None:
-            checking.cancel()
-            await asyncio.gather(checking, return_exceptions=True)
-        if moe is not None:
-            await moe.close_relays()
-        await reach.close()
-        await endpoint.close()
-        await dht.close()
-        if ledger:
-            ledger.close()
+        yield RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model, memory_budget=memory_budget), loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price)
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _hot_experts(model: GGUFModel, n: int, memory: int | None) -> HotExperts | None:
@@ -71,8 +74,7 @@ async def wait_for_hosts(moe: RemoteMoE, layers: range, n_hosts: int, deadline_s
     while True:
         counts = []
         for layer in layers:
-            moe.discovery.invalidate(moe.model_digest, layer)  # ask the DHT, not the cache, while waiting
-            counts.append(len(await moe.discovery.lookup(moe.model_digest, layer)))
+            counts.append(len(await moe.discovery.lookup(moe.model_digest, layer, fresh=True)))  # the DHT, not the cache
         if min(counts) >= n_hosts:
             await moe.refresh(layers)
             return

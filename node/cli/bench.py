@@ -155,39 +155,30 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
             return toks, len(toks) / (time.perf_counter() - t)
 
         with Cluster(Path(tmp) / "nodes") as cluster:
-            boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
-            worker_args = ("worker", "--model", str(path), "--bootstrap", boot, "--max-datagram", str(max_datagram))
-            # Two replicas of every expert: one records receipts in its ledger, one runs with --no-ledger.
-            plain = cluster.start("worker-no-ledger", *worker_args, "--no-ledger").wait_ready(600)
-            booked = cluster.start("worker-ledger", *worker_args).wait_ready(600)
+            # Two one-worker swarms, so each backbone session reaches exactly its worker: one pair records
+            # receipts in ledgers on both sides, the other runs with no ledger.
+            boots = [cluster.start(f"bootstrap-{name}", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0] for name in ("plain", "ledger")]
+            worker_args = ("worker", "--model", str(path), "--max-datagram", str(max_datagram))
+            cluster.start("worker-no-ledger", *worker_args, "--bootstrap", boots[0], "--no-ledger").wait_ready(600)
+            cluster.start("worker-ledger", *worker_args, "--bootstrap", boots[1]).wait_ready(600)
 
             async def interleaved():
                 """Rounds alternate local / remote without ledgers / remote with ledgers on both sides,
                 so drifting machine load hits all three alike."""
                 ledger_path = Path(tmp) / "backbone-ledger.sqlite"
-                async with backbone_session(Identity.generate(), model, [boot], max_datagram=max_datagram, ledger_path=ledger_path) as moe:
-                    await wait_for_hosts(moe, model.layers, 2, 60)
-                    sink = moe.ledger
-                    ids = {info["peer_id"]: peer for peer in moe.router.health for info in (plain, booked) if str(peer) == info["peer_id"]}
-
-                    def use(info, ledger):
-                        for peer_id, peer in ids.items():
-                            moe.router.health[peer].banned_until = 0.0 if peer_id == info["peer_id"] else float("inf")
-                        moe.ledger = ledger
-
-                    for info, ledger in ((plain, None), (booked, sink)):  # warm-up: connections, RTT, caches
-                        use(info, ledger)
-                        await asyncio.to_thread(decode, moe.hook)
-                    moe.stats.records.clear()
-                    moe.stats.tokens_forwarded = 0
+                session = dict(max_datagram=max_datagram)
+                async with backbone_session(Identity.generate(), model, [boots[0]], **session) as bare, backbone_session(Identity.generate(), model, [boots[1]], ledger_path=ledger_path, **session) as booked:
+                    for moe in (bare, booked):
+                        await wait_for_hosts(moe, model.layers, 1, 60)
+                        await asyncio.to_thread(decode, moe.hook)  # warm-up: connections, RTT, caches
+                    bare.stats.records.clear()
+                    bare.stats.tokens_forwarded = 0
                     local, remote, remote_ledger = [], [], []
                     for _ in range(rounds):
                         local.append(await asyncio.to_thread(decode, local_hook))
-                        use(plain, None)
-                        remote.append(await asyncio.to_thread(decode, moe.hook))
-                        use(booked, sink)
-                        remote_ledger.append(await asyncio.to_thread(decode, moe.hook))
-                    return local, remote, remote_ledger, moe.stats.summary()
+                        remote.append(await asyncio.to_thread(decode, bare.hook))
+                        remote_ledger.append(await asyncio.to_thread(decode, booked.hook))
+                    return local, remote, remote_ledger, bare.stats.summary()
 
             local, remote, remote_ledger, stats = asyncio.run(interleaved())
         local_tps = float(np.median([tps for _, tps in local]))

@@ -41,8 +41,11 @@ def slice_cmd(model: str, layers: str, experts_: str, output: str) -> None:
 def verify_cmd(model: str, wire: str, reference: str | None, groups: int, as_json: bool) -> None:
     """Gate a wire codec for MODEL: remote path vs local path (and vs llama.cpp). Exit 0 only on pass."""
     from experts.verify import run_gate
+    from node.verdicts import record_verdict
 
-    result = run_gate(GGUFModel(model), Codec.parse(wire), groups=groups, reference=reference)
+    codec = Codec.parse(wire)
+    result = run_gate(GGUFModel(model), codec, groups=groups, reference=reference)
+    record_verdict(result["model_digest"], codec, result["verdict"])
     if as_json:
         emit_json(result)
     else:

@@ -8,7 +8,7 @@ import click
 import structlog
 
 from experts.codecs import Codec
-from experts.verify import default_wire
+from node.verdicts import default_wire
 from experts.embedded import EMBEDDED_MODEL
 from experts.forward import Backbone
 from experts.gguf_model import GGUFModel

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from experts.codecs import Codec
-from experts.verify import default_wire
+from node.verdicts import default_wire
 from experts.forward import Backbone
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.slices import parse_range

@@ -12,19 +12,18 @@ import structlog
 
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.slices import ExpertStore, check_slice
+from node.backbone.routing import scarcity_price
+from node.ledger.sink import LedgerSink
+from node.runtime import until_stopped, write_ready
+from node.worker.service import Worker
 from p2p.dht import LibP2PDiscovery
 from p2p.helpers import NodeReachability, helper_address
 from p2p.identity import Identity
 from p2p.nat import announced_address
-from p2p.reachability import Verdict
 from p2p.quic import Endpoint
+from p2p.reachability import Verdict
 from p2p.records import HostedSlice, RelayAddress
 from relay.client import RelayClient, attach
-
-from node.ledger.sink import LedgerSink
-from node.backbone.routing import scarcity_price
-from node.runtime import until_stopped, write_ready
-from node.worker.service import Worker
 
 log = structlog.get_logger("node.backbone.session")
 

@@ -23,11 +23,10 @@ from experts.codecs import Codec
 from experts.errors import CodecError
 from experts.moe import partial_sum
 from experts.slices import ExpertStore
+from node.ledger.receipts import Receipt, digest, sign, work_units
+from node.ledger.sink import LedgerSink
 from p2p import wire
 from p2p.identity import Identity, PeerId
-
-from node.ledger.sink import LedgerSink
-from node.ledger.receipts import Receipt, digest, sign, work_units
 
 log = structlog.get_logger("node.worker.service")
 # Batches up to this much work (expert-token FLOPs, see receipts.work_units) are computed on the event loop: a

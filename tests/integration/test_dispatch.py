@@ -15,8 +15,9 @@ from experts.forward import Backbone, KVCache
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.moe import Partition, grouped_moe, partial_sum
 from experts.slices import ExpertStore
-from experts.verify import record_verdict
+from node.verdicts import record_verdict
 from node.backbone.dispatch import RemoteMoE
+from p2p.connector import Connector
 from node.cli.streaming import serial
 from node.worker.service import Worker
 from p2p import wire
@@ -44,15 +45,14 @@ async def start_swarm(model: GGUFModel, ranges, board):
 
 
 @contextlib.asynccontextmanager
-async def remote_swarm(model: GGUFModel, ranges, **moe_kw):
+async def remote_swarm(model: GGUFModel, ranges, connector_type: type[Connector] = Connector, **moe_kw):
     """Workers for `ranges` on real sockets and a backbone's RemoteMoE that found them; all closed on exit."""
     board = InMemoryBoard()
     workers = await start_swarm(model, ranges, board)
     ident = Identity.generate()
     ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=None)
     cfg = model.cfg
-    moe = RemoteMoE(ep, InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model), **moe_kw)
-    moe.loop = asyncio.get_running_loop()
+    moe = RemoteMoE(connector_type(ep), InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model), loop=asyncio.get_running_loop(), **moe_kw)
     try:
         await moe.refresh(model.layers)
         yield moe
@@ -101,18 +101,18 @@ def test_a_layer_starts_its_slowest_round_trip_first(model_dir):
     model = GGUFModel(make_model(model_dir, "qwen2moe", n_expert=12, n_expert_used=4, n_layer=1))
     ranges = [(0, 4), (4, 8), (8, 12)]
 
+    started = []
+
+    class Recording(Connector):
+        async def request(self, peer, *args, **kwargs):
+            started.append(peer)
+            return await super().request(peer, *args, **kwargs)
+
     async def main():
-        async with remote_swarm(model, ranges) as moe:
+        async with remote_swarm(model, ranges, connector_type=Recording) as moe:
             hosts = [moe.router.routes[0].hosts[g][0] for g in range(3)]
             for host, rtt in zip(hosts, (20.0, 80.0, 40.0)):
                 moe.router.health[host.peer_id].rtt_ms = rtt
-            started, send = [], moe._send
-
-            async def recording(host, *args):
-                started.append(host.peer_id)
-                return await send(host, *args)
-
-            moe._send = recording
             x = np.random.default_rng(0).standard_normal((1, model.cfg.n_embd)).astype(np.float32)
             ids, w = np.array([[1, 5, 9, 2]]), np.full((1, 4), 0.25, dtype=np.float32)
             await moe.dispatch_layer(0, x, ids, w)

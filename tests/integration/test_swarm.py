@@ -16,7 +16,7 @@ from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
-from experts.verify import record_verdict
+from node.verdicts import record_verdict
 from node.launcher import Cluster
 from node.backbone.session import backbone_session, wait_for_hosts
 from p2p.identity import Identity

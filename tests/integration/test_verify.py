@@ -11,7 +11,7 @@ import pytest
 
 from experts.codecs import Codec
 from experts.errors import CodecError
-from experts.verify import require_verified
+from node.verdicts import require_verified
 
 from ..conftest import make_model
 
@@ -62,7 +62,7 @@ def test_reference_llamacpp_in_the_json(model_dir, tmp_path):
 
 def test_default_wire_is_f16_only_after_its_gate_passed(model_dir, tmp_path, monkeypatch):
     """`--wire auto` means f32 until `moeswarm verify --wire f16` passed for the model, then f16."""
-    from experts.verify import default_wire
+    from node.verdicts import default_wire
 
     monkeypatch.setenv("MOESWARM_HOME", str(tmp_path))
     path = make_model(model_dir, "qwen3moe", n_expert=16, n_expert_used=4)

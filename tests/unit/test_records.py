@@ -378,8 +378,7 @@ def test_cached_discovery_shares_lookups_and_refreshes_in_background():
         assert len(await cached.lookup(MODEL, 1)) == 1
         await asyncio.sleep(0.01)
         assert inner.lookups == 2
-        cached.invalidate(MODEL, 1)
-        await cached.lookup(MODEL, 1)
+        await cached.lookup(MODEL, 1, fresh=True)
         assert inner.lookups == 3
         await cached.close()
 
