@@ -5,8 +5,9 @@ workers would host them), sends every group's hidden states and partial sums
 through the codec (encode -> bytes -> decode) and combines them in protocol
 order. The *local path* uses the same grouping without a wire. With f32 the two
 must be bit-identical; a lossy codec passes when min cosine >= 0.999 and the
-argmax agrees wherever the local top-1/top-2 logit gap exceeds 0.2. Verdicts are
-stored so dispatch can refuse a lossy codec for a model that has not passed.
+argmax agrees wherever the local top-1/top-2 logit gap exceeds 0.2. The caller
+stores the verdict (:mod:`node.verdicts`), so a backbone can refuse a lossy codec
+for a model that has not passed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .codecs import Codec, roundtrip
+from .errors import CodecError
 from .forward import Backbone, KVCache
 from .gguf_model import GGUFModel
 from .moe import (
