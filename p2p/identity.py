@@ -3,7 +3,7 @@
 The peer id is libp2p's: the identity multihash of the protobuf-encoded public key,
 shown in base58btc ("12D3KooW..."), so the same key names the node on the DHT
 (py-libp2p) and on our QUIC data path. This module never imports libp2p: importing
-it patches aioquic process-wide (see FIELD-NOTES), and the data path must not pay that.
+it patches aioquic process-wide (see docs/FIELD-NOTES.md), and the data path must not pay that.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ delimits the message: no framing, no head-of-line blocking between requests (``p
 persistent stream). A message above ``max_message`` is refused with STOP_SENDING/RESET_STREAM
 (``ErrorCode.MESSAGE_TOO_LARGE``), never buffered further, and stream windows stop at ``max_message + 1``.
 
-aioquic 1.7.2 pitfalls handled (FIELD-NOTES): ``max_datagram_size`` is at most 16384 (beyond, a STREAM frame can
+aioquic 1.7.2 pitfalls handled (docs/FIELD-NOTES.md): ``max_datagram_size`` is at most 16384 (beyond, a STREAM frame can
 overflow aioquic's 2-byte length field and kill the connection) and is set on both configurations; streams are
 opened with ``get_next_available_stream_id`` + ``send_stream_data`` (``create_stream`` hands out one id twice);
 per-stream state is ours and dropped when the stream ends (aioquic's reader table never forgets one); pending

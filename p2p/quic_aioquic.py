@@ -2,7 +2,7 @@
 bounds what a peer can make it buffer, plus the import-time checks of the private hooks this needs.
 
 Kept apart from the endpoint so every reliance on aioquic internals sits in one short file (see the pitfalls in
-:mod:`p2p.quic`'s docstring and FIELD-NOTES): the server's client-certificate switch, the unpatched
+:mod:`p2p.quic`'s docstring and docs/FIELD-NOTES.md): the server's client-certificate switch, the unpatched
 ``QuicStreamSender.get_frame`` (libp2p replaces it process-wide), and the stream-window cap.
 """
 

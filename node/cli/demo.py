@@ -33,7 +33,7 @@ from node.runtime import data_dir, load_identity
 from node.cli.streaming import stream_tokens
 from node.backbone.session import backbone_session, wait_for_hosts
 
-LOOPBACK_DATAGRAM = 16384  # everything runs on loopback: large QUIC datagrams cut per-packet cost (FIELD-NOTES)
+LOOPBACK_DATAGRAM = 16384  # everything runs on loopback: large QUIC datagrams cut per-packet cost (docs/FIELD-NOTES.md)
 
 
 @click.command("demo")
