@@ -1,4 +1,4 @@
-"""`moeswarm bench wan`: decoding across an emulated WAN in the real-NAT testbed, technique by technique (root).
+"""`moeswarm bench wan`'s measurement: decoding across an emulated WAN in the real-NAT testbed, technique by technique (root).
 
 Per RTT, a fresh testbed with three public workers (a third of the experts each) and the backbone `RTT` apart:
 ``naive`` (one token per forward pass, the shared expert after the round trip), ``+speculative`` (drafts verified
@@ -17,14 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import click
 import numpy as np
 
 from experts.embedded import DEFAULT_PROMPT, EMBEDDED_MODEL
 from experts.gguf_model import GGUFModel
-
-from node.cli.bench import REFERENCE, message_bytes, publish
+from node.bench.common import REFERENCE, BenchmarkError, message_bytes
 from node.launcher import Cluster
+from node.testbed.netns import require_root
 
 WORKERS = ("pub-worker", "pub-worker-2", "pub-worker-3")
 EXPERT_RANGES = ("0-10", "11-21", "22-31")
@@ -88,7 +87,7 @@ async def _complete(session, url: str, prompt: str, n_tokens: int) -> int:
     body = {"model": "embedded", "prompt": prompt, "max_tokens": n_tokens, "temperature": 0}
     async with session.post(f"{url}/completions", json=body) as resp:
         if resp.status != 200:
-            raise click.ClickException(f"gateway answered {resp.status}: {await resp.text()}")
+            raise BenchmarkError(f"gateway answered {resp.status}: {await resp.text()}")
         return (await resp.json())["usage"]["completion_tokens"]
 
 
@@ -151,7 +150,7 @@ def star(n_tokens: int, workdir: Path) -> dict:
         rtts = [tb.rtt("backbone", role) for role in WORKERS]
     fanned = run["layer_ms"]["by_fanout"].get("3")
     if not fanned:
-        raise click.ClickException("no layer fanned out to all three workers; generate more tokens")
+        raise BenchmarkError("no layer fanned out to all three workers; generate more tokens")
     slowest = run["rtt_ms_by_peer"][peers[rtts.index(max(rtts))]]
     return {"rtts_ms": rtts, "layer_ms": fanned["p50"], "layers": fanned["n"], "max_rtt_ms": max(rtts), "sum_rtt_ms": sum(rtts), "ratio": round(fanned["p50"] / max(rtts), 3),
             "slowest_dispatch_ms": slowest, "ratio_to_slowest_dispatch": round(fanned["p50"] / slowest, 3), "failed_dispatches": run["failed_dispatches"]}  # fmt: skip
@@ -189,25 +188,11 @@ def plot(by_rtt: list[dict], bytes_per_codec: dict, out_dir: Path) -> list[str]:
     return [str(tokens_png), str(bytes_png)]
 
 
-@click.command("wan")
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--rtt-ms", "rtts", default="0,20,80", show_default=True, help="Comma-separated RTTs between the backbone and the workers.")
-@click.option("--tokens", "n_tokens", default=32, show_default=True, help="Tokens per decoding run.")
-@click.option("--prompts", "n_prompts", default=3, show_default=True, type=click.IntRange(1, len(PROMPTS)), help="Prompts per variant (tokens/s is over all of them).")
-@click.option("--session-tokens", default=24, show_default=True, help="Tokens per gateway request in the sessions check.")
-@click.option("--session-rounds", default=3, show_default=True, type=click.IntRange(1), help="Requests each of the 8 concurrent sessions sends back to back.")
-@click.option("--star-tokens", default=16, show_default=True)
-@click.option("--plots", "plot_dir", type=click.Path(file_okay=False), default=None, help="Write PNG plots into this directory.")
-@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
-def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_tokens: int, session_rounds: int, star_tokens: int, plot_dir: str | None, write_md: str | None) -> None:
-    """Tokens/s vs RTT per technique, 8 sessions vs 1, parallel-star layer time (embedded model, testbed; root only)."""
-    from node.testbed.netns import require_root
-
+def run(rtt_list: list[float], n_tokens: int, n_prompts: int, session_tokens: int, session_rounds: int, star_tokens: int, plot_dir: Path | None) -> dict:
+    """The whole `bench wan` measurement (root only: it builds testbeds); returns the result published under its command."""
+    if n_prompts > len(PROMPTS):
+        raise BenchmarkError(f"--prompts {n_prompts}: bench wan has {len(PROMPTS)} prompts")
     require_root()
-    try:
-        rtt_list = sorted(float(x) for x in rtts.split(","))
-    except ValueError:
-        raise click.BadParameter(f"{rtts!r}: expected comma-separated numbers of ms, e.g. 0,20,80", param_hint="--rtt-ms") from None
     model = GGUFModel(EMBEDDED_MODEL)
     n_moe = len(model.layers)  # every layer of the embedded model is a MoE layer
     reference = message_bytes(REFERENCE["n_embd"], REFERENCE["n_expert_used"])
@@ -225,13 +210,5 @@ def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_t
             "by_rtt": by_rtt,
         }
     if plot_dir:
-        result["plots"] = plot(by_rtt, result["bytes_per_token_per_layer"], Path(plot_dir))
-    command = (f"moeswarm bench wan --json --rtt-ms {rtts} --tokens {n_tokens} --prompts {n_prompts} --session-tokens {session_tokens} "
-               f"--session-rounds {session_rounds} --star-tokens {star_tokens}" + (f" --plots {plot_dir}" if plot_dir else ""))  # fmt: skip
-    s = result["star"]
-    lines = [f"RTT {r['rtt_ms']:g} ms: " + ", ".join(f"{k} {v} tokens/s" for k, v in r["tokens_s"].items()) + f" (bound {r['bound_tokens_s']})" for r in by_rtt]
-    lines.append(f"8 sessions: {result['sessions8_aggregate_ratio']}x one session; star layer {s['layer_ms']} ms vs max RTT {s['max_rtt_ms']} ms ({s['ratio']}x)")
-    publish(result, command, write_md=write_md, as_json=as_json, lines=lines)
-
-
-__all__ = ["bench_wan"]
+        result["plots"] = plot(by_rtt, result["bytes_per_token_per_layer"], plot_dir)
+    return result

@@ -1,4 +1,4 @@
-"""`moeswarm bench paths`: hole punching and relay vs direct dispatch in the real-NAT testbed (root)."""
+"""`moeswarm bench paths`'s measurement: hole punching and relay vs direct dispatch in the real-NAT testbed (root)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,14 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import click
-
 from experts.embedded import DEFAULT_PROMPT
-
-from node.cli.bench import publish
 from node.launcher import Cluster
+from node.testbed.netns import require_root
 
 
 def punch_stats(rtt_ms: float, attempts: int) -> dict:
-    from p2p.paths import PathState
-
     from node.testbed.punchlab import attempt, punch_lab
+    from p2p.paths import PathState
 
     out, upgrades = {}, []
     pairs = {"cone_public": ("worker-a", "pub-worker"), "cone_cone": ("worker-a", "worker-c"), "symmetric_any": ("worker-b", "pub-worker")}
@@ -62,24 +58,11 @@ def path_throughput(rtt_ms: float, n_tokens: int, workdir: Path, relay_link_ms: 
     }
 
 
-@click.command("paths")
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--rtt-ms", default=80.0, show_default=True, help="WAN round trip between the backbone and workers (and between punching peers).")
-@click.option("--attempts", default=20, show_default=True, help="Punch attempts per pair.")
-@click.option("--tokens", "n_tokens", default=16, show_default=True)
-@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
-def bench_paths(as_json: bool, rtt_ms: float, attempts: int, n_tokens: int, write_md: str | None) -> None:
-    """Punch success (cone<->public, cone<->cone, symmetric), time to upgrade, relay vs direct throughput. Root only."""
-    from node.testbed.netns import require_root
-
+def run(rtt_ms: float, attempts: int, n_tokens: int) -> dict:
+    """The whole `bench paths` measurement (root only: it builds testbeds)."""
     require_root()
     with tempfile.TemporaryDirectory(prefix="moeswarm-paths-") as tmp:
         edge = path_throughput(rtt_ms, n_tokens, Path(tmp) / "edge", 0.0)
         mid = path_throughput(rtt_ms, n_tokens, Path(tmp) / "mid", rtt_ms / 2)
-        result = {"rtt_ms": rtt_ms, **punch_stats(rtt_ms, attempts), **edge, "failed_dispatches": edge["failed_dispatches"] + mid["failed_dispatches"],
-                  "relay_mid_wan": {k: mid[k] for k in ("relay_link_ms", "throughput", "identical", "rtt_ms_measured")}}
-    t = result["throughput"]
-    lines = [f"punch {k}: {v['ok']}/{v['tries']} direct" for k, v in result["punch"].items()]
-    lines.append(f"upgrade median {result['upgrade_ms_median']} ms; direct {t['direct_tokens_s']} tokens/s, relay at the edge {t['relay_tokens_s']} ({t['ratio']}x), "
-                 f"relay mid-WAN {result['relay_mid_wan']['throughput']['ratio']}x; failed dispatches {result['failed_dispatches']}")
-    publish(result, f"moeswarm bench paths --json --rtt-ms {rtt_ms:g} --attempts {attempts}", write_md=write_md, as_json=as_json, lines=lines)
+        return {"rtt_ms": rtt_ms, **punch_stats(rtt_ms, attempts), **edge, "failed_dispatches": edge["failed_dispatches"] + mid["failed_dispatches"],
+                "relay_mid_wan": {k: mid[k] for k in ("relay_link_ms", "throughput", "identical", "rtt_ms_measured")}}

@@ -1,0 +1,85 @@
+"""`moeswarm bench dispatch`'s measurement: loopback decode, remote (worker processes over QUIC) vs all-local."""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from experts.forward import Backbone
+from experts.generate import generate
+from experts.gguf_model import GGUFModel
+from experts.moe import Partition, grouped_moe
+from experts.random_model import random_config, write_random_model
+from experts.slices import ExpertStore
+from node.backbone.session import backbone_session, wait_for_hosts
+from node.bench.common import REFERENCE, message_bytes
+from node.launcher import Cluster
+from p2p.identity import Identity
+
+
+def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: int, rounds: int) -> dict:
+    """Rounds alternate local / remote without ledgers / remote with ledgers; medians of tokens/s."""
+    cfg = random_config(**{**REFERENCE, "n_layer": n_layer, "n_expert": n_expert})
+    prompt = [72, 101, 108, 108, 111]
+    with tempfile.TemporaryDirectory(prefix="moeswarm-bench-") as tmp:
+        path = Path(tmp) / "reference.gguf"
+        write_random_model(path, cfg, qtype=gguf.GGMLQuantizationType[qtype])
+        model = GGUFModel(path)
+        bb = Backbone(model)
+        store = ExpertStore(model)
+        whole = Partition(((0, cfg.n_expert),))
+        local_hook = lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w)  # noqa: E731
+        store.warm()
+
+        def decode(hook) -> tuple[list[int], float]:
+            t = time.perf_counter()
+            toks = [tok for tok, _ in generate(bb, prompt, n_tokens, hook)]
+            return toks, len(toks) / (time.perf_counter() - t)
+
+        with Cluster(Path(tmp) / "nodes") as cluster:
+            # Two one-worker swarms, so each backbone session reaches exactly its worker: one pair records
+            # receipts in ledgers on both sides, the other runs with no ledger.
+            boots = [cluster.start(f"bootstrap-{name}", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0] for name in ("plain", "ledger")]
+            worker_args = ("worker", "--model", str(path), "--max-datagram", str(max_datagram))
+            cluster.start("worker-no-ledger", *worker_args, "--bootstrap", boots[0], "--no-ledger").wait_ready(600)
+            cluster.start("worker-ledger", *worker_args, "--bootstrap", boots[1]).wait_ready(600)
+
+            async def interleaved():
+                """Rounds alternate local / remote without ledgers / remote with ledgers on both sides,
+                so drifting machine load hits all three alike."""
+                ledger_path = Path(tmp) / "backbone-ledger.sqlite"
+                session = dict(max_datagram=max_datagram)
+                async with backbone_session(Identity.generate(), model, [boots[0]], **session) as bare, backbone_session(Identity.generate(), model, [boots[1]], ledger_path=ledger_path, **session) as booked:
+                    for moe in (bare, booked):
+                        await wait_for_hosts(moe, model.layers, 1, 60)
+                        await asyncio.to_thread(decode, moe.hook)  # warm-up: connections, RTT, caches
+                    bare.stats.records.clear()
+                    bare.stats.tokens_forwarded = 0
+                    local, remote, remote_ledger = [], [], []
+                    for _ in range(rounds):
+                        local.append(await asyncio.to_thread(decode, local_hook))
+                        remote.append(await asyncio.to_thread(decode, bare.hook))
+                        remote_ledger.append(await asyncio.to_thread(decode, booked.hook))
+                    return local, remote, remote_ledger, bare.stats.summary()
+
+            local, remote, remote_ledger, stats = asyncio.run(interleaved())
+        local_tps = float(np.median([tps for _, tps in local]))
+        remote_tps = float(np.median([tps for _, tps in remote]))
+        ledger_tps = float(np.median([tps for _, tps in remote_ledger]))
+    result = {
+        "config": {**REFERENCE, "n_layer": n_layer, "n_expert": n_expert, "qtype": qtype, "max_datagram": max_datagram},
+        "machine": f"{platform.machine()}, numpy {np.__version__}, OPENBLAS_NUM_THREADS=1",
+        "bytes_per_token_per_layer": message_bytes(cfg.n_embd, cfg.n_expert_used),
+        "measured_f32_bytes_per_token_per_layer": stats["bytes_per_token_per_layer"],
+        "throughput": {"local_tokens_s": round(local_tps, 3), "remote_tokens_s": round(remote_tps, 3), "ratio": round(remote_tps / local_tps, 3)},
+        "ledger": {"remote_tokens_s_without": round(remote_tps, 3), "remote_tokens_s_with": round(ledger_tps, 3), "cost_pct": round(100 * (1 - ledger_tps / remote_tps), 2)},
+        "identical": all(t == local[0][0] for t, _ in local + remote + remote_ledger),
+        "rtt_ms": stats["rtt_ms"],
+    }
+    return result

@@ -1,0 +1,44 @@
+"""`moeswarm bench experts`' measurement: expert compute per token per layer at the reference config."""
+
+from __future__ import annotations
+
+import platform
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from experts.gguf_model import ExpertRange, GGUFModel
+from experts.moe import partial_sum
+from experts.random_model import random_config, write_random_model
+from experts.slices import ExpertStore
+from node.bench.common import REFERENCE, median_time, message_bytes
+
+
+def run(repeat: int, qtype: str) -> dict:
+    """Cached vs on-the-fly dequantized experts, 1 and 8 tokens, and the exact wire bytes."""
+    cfg = random_config(**REFERENCE)
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "reference.gguf"
+        write_random_model(path, cfg, qtype=gguf.GGMLQuantizationType[qtype])
+        model = GGUFModel(path)
+        pool = ExpertRange(0, 16)  # tokens route among 16 experts so the cached store fits in RAM
+        stores = {"cached": ExpertStore(model, experts=pool), "on_the_fly": ExpertStore(model, experts=pool, memory_budget=0)}
+        compute = {}
+        for n in (1, 8):
+            x = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
+            ids = np.stack([rng.choice(16, cfg.n_expert_used, replace=False) for _ in range(n)]).astype(np.int32)
+            w = np.full(ids.shape, 1.0 / cfg.n_expert_used, dtype=np.float32)
+            held = np.ones(ids.shape, dtype=bool)
+            for mode, store in stores.items():
+                t = median_time(lambda: partial_sum(store, 0, x, ids, w, held), repeat)
+                compute[f"{mode}_{n}tok_ms_per_token"] = round(t / n * 1e3, 3)
+    result = {
+        "config": {**REFERENCE, "qtype": qtype},
+        "machine": f"{platform.machine()}, numpy {np.__version__}",
+        "expert_compute": compute,
+        "bytes_per_token_per_layer": message_bytes(cfg.n_embd, cfg.n_expert_used),
+    }
+    return result
