@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from functools import cached_property
-from typing import NamedTuple, get_type_hints
+from typing import Any, NamedTuple, get_type_hints
 
 from experts.errors import UsageError
 from p2p.identity import Identity, IdentityError, PeerId
@@ -262,7 +262,7 @@ class Entry:
     created_at_us: int
     event: Event
 
-    def values(self) -> dict[str, object]:
+    def values(self) -> dict[str, Any]:
         """Every column but entry_hash, as Python values (None where an entry of this kind has no value)."""
         ev, r = self.event, self.event.receipt
         out: dict[str, object] = {
@@ -299,7 +299,7 @@ def decode_row(row: Sequence[object]) -> tuple[Entry, bytes]:
     """A stored row -> (entry, stored entry_hash); EntryError unless every value has its one canonical form."""
     if len(row) != len(COLUMNS):
         raise EntryError(f"a ledger row has {len(COLUMNS)} columns, got {len(row)}")
-    v = dict(zip(COLUMNS, row))
+    v: dict[str, Any] = dict(zip(COLUMNS, row))  # checked value by value below
     for name in ("prev_hash", "entry_hash"):
         if type(v[name]) is not bytes or len(v[name]) != 32:
             raise EntryError(f"{name} must be 32 bytes, got {v[name]!r:.40}")
@@ -342,11 +342,14 @@ def check_rules(event: Event, role: Role, owner: str, before: Status | None) -> 
 def verify_signatures(event: Event, original: Event | None) -> None:
     """Worker signature and countersignature; *original* is the receipt entry a COUNTERSIGN refers to."""
     if event.kind in RECEIPT_KINDS:
+        assert event.receipt is not None, "a receipt entry holds its receipt (decode_row and Event check it)"
         verify(event.receipt, event.stamp)
     if event.kind is Kind.ACCEPT:
+        assert event.receipt is not None and event.countersig is not None, "an accept entry holds a countersigned receipt"
         verify_countersignature(event.receipt, event.stamp, event.countersig)
     elif event.kind is Kind.COUNTERSIGN:
         assert original is not None and original.receipt is not None, "a countersign entry follows its receipt"
+        assert event.countersig is not None, "a countersign entry holds its countersignature"
         verify_countersignature(original.receipt, original.stamp, event.countersig)
 
 

@@ -89,6 +89,7 @@ class Ledger:
             raise LedgerError(f"cannot open ledger {self.path}: {exc}") from None
         try:
             if not exists:
+                assert want is not None and identity is not None  # checked above: a new ledger needs both
                 self._create(want, identity)
             self.role, self.owner = self._header()
             if want is not None and self.role is not want:
