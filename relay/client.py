@@ -25,6 +25,7 @@ from typing import Protocol
 import structlog
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.typing import Subprotocol
 
 from p2p.identity import Identity, PeerId
 
@@ -177,7 +178,7 @@ class RelayClient:
         loop = asyncio.get_running_loop()
         async with connect(
             self.url,
-            subprotocols=[SUBPROTOCOL],
+            subprotocols=[Subprotocol(SUBPROTOCOL)],
             ssl=self._tls,
             compression=None,
             max_size=MAX_FRAME,

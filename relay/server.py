@@ -28,6 +28,7 @@ import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
 
 from p2p.identity import Identity, PeerId
 
@@ -117,7 +118,7 @@ class RelayServer:
             host,
             port,
             ssl=tls,
-            subprotocols=[SUBPROTOCOL],  # a client that offers no subprotocol gets HTTP 400
+            subprotocols=[Subprotocol(SUBPROTOCOL)],  # a client that offers no subprotocol gets HTTP 400
             process_request=self._process_request,
             compression=None,  # QUIC packets are encrypted: nothing to compress, and deflate costs memory
             max_size=MAX_FRAME,
