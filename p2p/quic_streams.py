@@ -16,7 +16,8 @@ own timeout ends it (``cancel``).
 
 aioquic 1.7.2 pitfalls handled here (FIELD-NOTES): stream ids are ours, allocated in order and never reused
 (``create_stream`` hands out one id twice); per-stream state is dropped as soon as a stream ends (aioquic's reader
-table never forgets a finished stream); ``close`` fails every pending request at once (aioquic reports the end of a
+table never forgets a finished stream), and what stays of an ended peer stream is only that its id is below the
+peer's next one, so its late data is never taken for a new request; ``close`` fails every pending request at once (aioquic reports the end of a
 connection only 3 PTO later, so pending requests would hang until then).
 """
 
@@ -105,13 +106,15 @@ def check_request_size(payload: bytes, max_message: int) -> None:
         raise MessageTooLarge(f"request of {len(payload)} bytes exceeds max_message {max_message}")
 
 
+MAX_GAP = 1024  # peer stream ids skipped at once that we remember as still to come (aioquic allows ~128 open)
+
+
 @dataclass(eq=False)
 class _Incoming:
-    """A request stream still arriving; a ``refused`` one only waits for its end (or its timer)."""
+    """A request stream still arriving."""
 
     last: float  # when data last arrived
     data: bytearray = field(default_factory=bytearray)
-    refused: bool = False
 
 
 class RequestStreams:
@@ -133,6 +136,8 @@ class RequestStreams:
         self._next_id = 0 if is_client else 1  # our bidirectional streams: 0, 4, 8... (client) or 1, 5, 9...
         self._calls: dict[int, bytearray] = {}  # our requests, with the reply so far
         self._incoming: dict[int, _Incoming] = {}
+        self._peer_next: dict[int, int] = {}  # per stream type (id & 3): the peer's next unseen stream id
+        self._skipped: set[int] = set()  # peer stream ids below that which we have not seen yet
         self._serving: set[int] = set()  # requests handed to the application, not yet answered
 
     # --- our requests -------------------------------------------------------------------------------------------
@@ -213,9 +218,8 @@ class RequestStreams:
         for sid, incoming in list(self._incoming.items()):
             if incoming.last + self.stream_timeout <= now:
                 del self._incoming[sid]
-                if not incoming.refused:
-                    log.warning("quic.request_timed_out", peer=str(self.peer), stream=sid, size=len(incoming.data))
-                    out.append(AbortStream(sid, ErrorCode.CANCELLED))
+                log.warning("quic.request_timed_out", peer=str(self.peer), stream=sid, size=len(incoming.data))
+                out.append(AbortStream(sid, ErrorCode.CANCELLED))
         return out
 
     def buffered(self) -> int:
@@ -243,31 +247,42 @@ class RequestStreams:
         return [ReplyReceived(sid, bytes(reply))]
 
     def _request_data(self, sid: int, data: bytes, end_stream: bool, now: float) -> list[Output]:
-        if sid in self._serving:  # complete already; aioquic delivers nothing after the FIN
-            return []
-        out: list[Output] = []
         incoming = self._incoming.get(sid)
         if incoming is None:
-            incoming = self._incoming[sid] = _Incoming(last=now)
+            if not self._first_sight(sid):  # a stream that ended already (answered, refused, timed out)
+                return []
             if not self.serving:
-                out += self._refuse_incoming(sid, incoming, ErrorCode.NO_HANDLER)
-            elif sid & 2:  # unidirectional streams carry nothing in our protocol
-                out += self._refuse_incoming(sid, incoming, ErrorCode.PROTOCOL_VIOLATION)
+                return self._refuse_incoming(sid, ErrorCode.NO_HANDLER)
+            if sid & 2:  # unidirectional streams carry nothing in our protocol
+                return self._refuse_incoming(sid, ErrorCode.PROTOCOL_VIOLATION)
+            incoming = self._incoming[sid] = _Incoming(last=now)
+        if len(incoming.data) + len(data) > self.max_message:
+            log.warning("quic.request_too_large", peer=str(self.peer), limit=self.max_message)
+            return self._refuse_incoming(sid, ErrorCode.MESSAGE_TOO_LARGE)
+        incoming.data += data
         incoming.last = now
-        if not incoming.refused:
-            if len(incoming.data) + len(data) > self.max_message:
-                log.warning("quic.request_too_large", peer=str(self.peer), limit=self.max_message)
-                out += self._refuse_incoming(sid, incoming, ErrorCode.MESSAGE_TOO_LARGE)
-            else:
-                incoming.data += data
-        if end_stream:
-            del self._incoming[sid]
-            if not incoming.refused:
-                self._serving.add(sid)
-                out.append(RequestReceived(sid, bytes(incoming.data)))
-        return out
+        if not end_stream:
+            return []
+        del self._incoming[sid]
+        self._serving.add(sid)
+        return [RequestReceived(sid, bytes(incoming.data))]
 
-    def _refuse_incoming(self, sid: int, incoming: _Incoming, code: ErrorCode) -> list[Output]:
-        incoming.refused = True
-        incoming.data = bytearray()
+    def _first_sight(self, sid: int) -> bool:
+        """Whether ``sid`` is a peer stream we hear of for the first time, so that an ended stream's late data is
+        never taken for a new request. Peers open stream ids in order, so we keep the next id per stream type and
+        the (few) skipped ones whose data has not arrived yet, not every id ever used."""
+        kind = sid & 3
+        first = self._peer_next.get(kind, kind)
+        if sid >= first:
+            if sid - first <= 4 * MAX_GAP:
+                self._skipped.update(range(first, sid, 4))
+            self._peer_next[kind] = sid + 4
+            return True
+        if sid in self._skipped:
+            self._skipped.discard(sid)
+            return True
+        return False
+
+    def _refuse_incoming(self, sid: int, code: ErrorCode) -> list[Output]:
+        self._incoming.pop(sid, None)
         return [AbortStream(sid, code)]
