@@ -270,7 +270,8 @@ class RequestStreams:
     def _first_sight(self, sid: int) -> bool:
         """Whether ``sid`` is a peer stream we hear of for the first time, so that an ended stream's late data is
         never taken for a new request. Peers open stream ids in order, so we keep the next id per stream type and
-        the (few) skipped ones whose data has not arrived yet, not every id ever used."""
+        the (few) skipped ones whose data has not arrived yet, not every id ever used. Past ``MAX_GAP`` skipped ids
+        are not remembered: their data is ignored and their callers time out (aioquic refuses such ids first)."""
         kind = sid & 3
         first = self._peer_next.get(kind, kind)
         if sid >= first:
