@@ -28,17 +28,24 @@ the reason. No session tickets are issued (a resumed session carries no certific
 Messages. A request is one bidirectional stream: payload, FIN; the reply returns on it, FIN. The stream's end
 delimits the message: no framing, no head-of-line blocking between requests (``p2p/bench_quic.py`` compares a framed
 persistent stream). A message above ``max_message`` is refused with STOP_SENDING/RESET_STREAM
-(``ErrorCode.MESSAGE_TOO_LARGE``), never buffered further, and stream windows stop at ``max_message + 1``.
+(``ErrorCode.MESSAGE_TOO_LARGE``), never buffered, and stream windows stop at ``max_message + 1``. That bookkeeping
+is the sans-IO ``p2p.quic_streams.RequestStreams`` (one per verified connection); this module only moves its
+commands to aioquic and its results to futures and handler tasks.
+
+Events. ``subscribe(fn)`` calls ``fn`` with a ``p2p.quic_events.PathOpened`` when a connection passes
+authentication and a ``PathClosed`` when a verified one starts closing, so path keeping needs no polling.
 
 aioquic 1.7.2 pitfalls handled (docs/FIELD-NOTES.md): ``max_datagram_size`` is at most 16384 (beyond, a STREAM frame can
-overflow aioquic's 2-byte length field and kill the connection) and is set on both configurations; streams are
-opened with ``get_next_available_stream_id`` + ``send_stream_data`` (``create_stream`` hands out one id twice);
-per-stream state is ours and dropped when the stream ends (aioquic's reader table never forgets one); pending
-requests fail with ``ConnectionLost`` naming the peer as soon as the connection closes; our streams send with
-aioquic's own ``QuicStreamSender.get_frame``, reloaded from its source, since importing libp2p replaces it.
+overflow aioquic's 2-byte length field and kill the connection) and is set on both configurations; stream ids are
+``RequestStreams``' own, in order and never reused, opened by ``send_stream_data`` (``create_stream`` hands out one
+id twice); per-stream state is ``RequestStreams``' and dropped when the stream ends (aioquic's reader table never
+forgets one); pending requests fail with ``ConnectionLost`` naming the peer as soon as the connection starts
+closing (``AuthQuicConnection.closing``), not when aioquic reports its end; our streams send with aioquic's own
+``QuicStreamSender.get_frame``, reloaded from its source, since importing libp2p replaces it. Every use of aioquic
+internals is in ``p2p.quic_aioquic``.
 
-Kept here: the endpoint's behaviour. Its error vocabulary is ``p2p.quic_errors`` (re-exported here) and its
-per-connection records are ``p2p.quic_conn``.
+Kept here: the endpoint's behaviour. Its error vocabulary is ``p2p.quic_errors`` (re-exported here), its
+per-connection records are ``p2p.quic_conn`` and its events ``p2p.quic_events``.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import functools
 import ipaddress
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import structlog
@@ -60,9 +67,22 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
 from p2p.identity import Identity, PeerId
 from p2p.quic_aioquic import AuthQuicConnection
-from p2p.quic_conn import Call, Conn, Serve, retrieve, settle
-from p2p.quic_errors import Address, ConnectionLost, ErrorCode, MessageTooLarge, PeerAuthError, RemoteError
-from p2p.quic_errors import TransportError, TransportTimeout  # re-exported: callers import errors from here
+from p2p.quic_conn import Conn, retrieve, settle
+from p2p.quic_errors import Address, ConnectionLost, ErrorCode, PeerAuthError, TransportError, TransportTimeout
+from p2p.quic_errors import MessageTooLarge, RemoteError  # noqa: F401  re-exported: callers import errors from here
+from p2p.quic_events import EndpointEvent, PathClosed, PathOpened, Subscriber
+from p2p.quic_streams import (
+    AbortStream,
+    CallFailed,
+    Output,
+    ReplyReceived,
+    RequestReceived,
+    RequestStreams,
+    ResetStream,
+    SendStream,
+    ServeCancelled,
+    check_request_size,
+)
 from p2p.tls import PeerCertificateError, make_certificate, verify_certificate
 
 Handler = Callable[[PeerId, bytes], Awaitable[bytes]]
@@ -112,18 +132,20 @@ class Endpoint:
         max_datagram_size: int,
         idle_timeout: float,
         keepalive: bool,
+        stream_timeout: float,
     ) -> None:
         """Use ``await Endpoint.bind(...)``; this constructor opens no socket."""
         if not MIN_DATAGRAM <= max_datagram_size <= MAX_DATAGRAM:
             raise ValueError(f"max_datagram_size {max_datagram_size} is outside {MIN_DATAGRAM}..{MAX_DATAGRAM}")
-        if max_message < 1 or idle_timeout <= 0:
-            raise ValueError("max_message and idle_timeout must be positive")
+        if max_message < 1 or idle_timeout <= 0 or stream_timeout <= 0:
+            raise ValueError("max_message, idle_timeout and stream_timeout must be positive")
         self.identity = identity
         self.peer_id = identity.peer_id
         self.max_message = max_message
         self.local_addr: Address = ("", 0)
         self._handler = handler
         self._idle_timeout = idle_timeout
+        self._stream_timeout = stream_timeout
         self._loop = asyncio.get_running_loop()
         host = make_certificate(identity, now=time.time())
         self._configs = {
@@ -147,6 +169,7 @@ class Endpoint:
         self._dialing: dict[tuple[PeerId, Address], Conn] = {}
         self._routes: dict[Address, Callable[[bytes], None]] = {}
         self._filter: DatagramFilter | None = None
+        self._subscribers: list[Subscriber] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -162,13 +185,15 @@ class Endpoint:
         max_datagram_size: int = MIN_DATAGRAM,
         idle_timeout: float = 10.0,
         keepalive: bool = True,
+        stream_timeout: float = 60.0,
     ) -> Endpoint:
         """Open the UDP socket at (host, port) (port 0: any free port; see ``local_addr``).
 
         ``handler(peer_id, request) -> reply`` answers requests; with ``None`` requests to us are refused
         (``ErrorCode.NO_HANDLER``). ``max_datagram_size`` applies to what this end sends, so set it alike on both
         ends: 1200 works on every path, 1452 fits Ethernet without tunnels, 16384 is for loopback. A silent peer is
-        declared gone after ``idle_timeout`` seconds; ``keepalive`` PINGs keep quiet connections open meanwhile.
+        declared gone after ``idle_timeout`` seconds; ``keepalive`` PINGs keep quiet connections open meanwhile. A
+        request whose stream gets no data for ``stream_timeout`` seconds before it is complete is reset.
         """
         endpoint = cls(
             identity,
@@ -177,6 +202,7 @@ class Endpoint:
             max_datagram_size=max_datagram_size,
             idle_timeout=idle_timeout,
             keepalive=keepalive,
+            stream_timeout=stream_timeout,
         )
         transport, _ = await endpoint._loop.create_datagram_endpoint(
             lambda: _Socket(endpoint), local_addr=(host, port)
@@ -195,8 +221,7 @@ class Endpoint:
 
         Raises ``TransportTimeout``, ``PeerAuthError``, ``ConnectionLost``, ``MessageTooLarge`` or ``RemoteError``.
         """
-        if len(payload) > self.max_message:
-            raise MessageTooLarge(f"request of {len(payload)} bytes exceeds max_message {self.max_message}")
+        check_request_size(payload, self.max_message)
         try:
             async with asyncio.timeout(timeout):
                 return await self._call(await self._connection(addr, peer_id), payload)
@@ -221,6 +246,15 @@ class Endpoint:
 
     def remove_route(self, addr: Address) -> None:
         self._routes.pop(addr, None)
+
+    def subscribe(self, fn: Subscriber) -> None:
+        """Call ``fn(event)`` for every ``PathOpened`` / ``PathClosed`` from now on (``p2p.quic_events``)."""
+        self._subscribers.append(fn)
+
+    def unsubscribe(self, fn: Subscriber) -> None:
+        """Stop calling ``fn``; a function that is not subscribed is ignored."""
+        with contextlib.suppress(ValueError):
+            self._subscribers.remove(fn)
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
         """Feed one datagram from ``addr``: the socket calls this, and so may a relay for datagrams it carried."""
@@ -365,7 +399,7 @@ class Endpoint:
         """Handle the connection's pending events, then send what it has to send."""
         while (event := conn.quic.next_event()) is not None:
             self._on_event(conn, event)
-        closing = conn.quic._close_event  # set as soon as either side closes; the event itself comes 3 PTO later
+        closing = conn.quic.closing()
         if conn.failure is None and closing is not None:
             self._fail(conn, self._closed_by(conn, closing), closing.reason_phrase, closing.error_code)
         self._transmit(conn)
@@ -377,7 +411,8 @@ class Endpoint:
                 route(data)
             elif self._transport is not None and is_ip(addr[0]):  # a name would block the loop on DNS
                 self._transport.sendto(data, addr)
-        timer_at = conn.quic.get_timer()
+        timers = [conn.quic.get_timer(), None if conn.streams is None else conn.streams.get_timer()]
+        timer_at = min((t for t in timers if t is not None), default=None)
         if conn.timer is not None and conn.timer_at != timer_at:
             conn.timer.cancel()
             conn.timer = None
@@ -388,14 +423,18 @@ class Endpoint:
     def _on_timer(self, conn: Conn) -> None:
         now = max(conn.timer_at or 0.0, self._loop.time())
         conn.timer = conn.timer_at = None
-        conn.quic.handle_timer(now=now)
+        if (quic_at := conn.quic.get_timer()) is not None and quic_at <= now:
+            conn.quic.handle_timer(now=now)
+        if conn.streams is not None:
+            self._perform(conn, conn.streams.handle_timer(now))
         self._pump(conn)
 
     def _on_event(self, conn: Conn, event: events.QuicEvent) -> None:
         if isinstance(event, events.StreamDataReceived):
             self._on_stream_data(conn, event)
         elif isinstance(event, (events.StreamReset, events.StopSendingReceived)):
-            self._on_stream_reset(conn, event.stream_id, event.error_code)
+            if conn.streams is not None:
+                self._perform(conn, conn.streams.stream_reset(event.stream_id, event.error_code))
         elif isinstance(event, events.HandshakeCompleted):
             self._on_handshake(conn)
         elif isinstance(event, events.ConnectionIdIssued):
@@ -421,11 +460,26 @@ class Endpoint:
             self._fail(conn, error, str(exc), ErrorCode.PEER_AUTH_FAILED)
             return
         conn.peer = peer
+        conn.streams = RequestStreams(
+            peer,
+            is_client=conn.is_client,
+            max_message=self.max_message,
+            serving=self._handler is not None,
+            stream_timeout=self._stream_timeout,
+        )
         if conn.expected is not None:
             self._dialing = {k: c for k, c in self._dialing.items() if c is not conn}
         self._by_peer.setdefault(peer, conn)
         log.info("quic.connected", peer=str(peer), addr=conn.addr, role="client" if conn.is_client else "server")
         settle(conn.ready)
+        self._emit(PathOpened(peer, conn.addr))
+
+    def _emit(self, event: EndpointEvent) -> None:
+        for fn in list(self._subscribers):
+            try:
+                fn(event)
+            except Exception:  # a broken subscriber must not break the connection that triggered it
+                log.exception("quic.subscriber_failed", event=type(event).__name__)
 
     def _closed_by(self, conn: Conn, event: events.ConnectionTerminated) -> TransportError:
         """The error for requests pending on a connection that ``event`` ends."""
@@ -439,19 +493,16 @@ class Endpoint:
         conn.failure = error
         conn.close_reason = f"{reason or 'closed'} (error {int(code)})"
         settle(conn.ready, error=error)
-        for call in conn.calls.values():
-            settle(call.future, error=error)
-        for serve in conn.serves.values():
-            if serve.task is not None:
-                serve.task.cancel()
-        conn.calls.clear()
-        conn.serves.clear()
+        if conn.streams is not None:
+            self._perform(conn, conn.streams.close(error))
         self._dialing = {k: c for k, c in self._dialing.items() if c is not conn}
         if conn.peer is not None and self._by_peer.get(conn.peer) is conn:
             del self._by_peer[conn.peer]
             spare = next((c for c in self._conns if c.peer == conn.peer and c.failure is None), None)
             if spare is not None:
                 self._by_peer[conn.peer] = spare
+        if conn.peer is not None:
+            self._emit(PathClosed(conn.peer, conn.addr, conn.close_reason))
 
     def _forget(self, conn: Conn) -> None:
         """Drop a terminated connection from every table."""
@@ -479,116 +530,70 @@ class Endpoint:
     async def _call(self, conn: Conn, payload: bytes) -> bytes:
         if conn.failure is not None:
             raise conn.failure
-        stream_id = conn.quic.get_next_available_stream_id()
-        call = Call(self._loop.create_future())
-        conn.calls[stream_id] = call
-        conn.quic.send_stream_data(stream_id, payload, end_stream=True)
+        assert conn.streams is not None  # a connection is ready only once verified
+        stream_id, commands = conn.streams.request(payload)
+        future = conn.calls[stream_id] = self._loop.create_future()
+        self._perform(conn, commands)
         self._pump(conn)
         try:
-            return await call.future
+            return await future
         except asyncio.CancelledError:
             if conn.calls.pop(stream_id, None) is not None and conn.failure is None:
-                self._abort(conn, stream_id, ErrorCode.CANCELLED)
+                self._perform(conn, conn.streams.cancel(stream_id))
                 self._pump(conn)
             raise
 
     def _on_stream_data(self, conn: Conn, event: events.StreamDataReceived) -> None:
-        sid = event.stream_id
-        if conn.peer is None:
+        if conn.streams is None:
             if conn.failure is None:  # TLS completes before 1-RTT data is readable; anything else is an attack
                 reason = "stream data before authentication"
                 conn.quic.close(error_code=ErrorCode.PROTOCOL_VIOLATION, reason_phrase=reason)
                 error = PeerAuthError(f"peer at {conn.addr} sent {reason}")
                 self._fail(conn, error, reason, ErrorCode.PROTOCOL_VIOLATION)
             return
-        if conn.is_local(sid):
-            self._on_reply_data(conn, sid, event)
-        else:
-            self._on_request_data(conn, sid, event)
+        now = self._loop.time()
+        self._perform(conn, conn.streams.stream_data(event.stream_id, event.data, event.end_stream, now))
 
-    def _on_reply_data(self, conn: Conn, sid: int, event: events.StreamDataReceived) -> None:
-        call = conn.calls.get(sid)
-        if call is None:  # a request we gave up on
-            return
-        call.data += event.data
-        if len(call.data) > self.max_message:
-            del conn.calls[sid]
-            self._abort(conn, sid, ErrorCode.MESSAGE_TOO_LARGE)
-            error = MessageTooLarge(f"reply from {conn.peer} exceeds max_message {self.max_message}")
-            settle(call.future, error=error)
-        elif event.end_stream:
-            del conn.calls[sid]
-            settle(call.future, result=bytes(call.data))
-
-    def _on_request_data(self, conn: Conn, sid: int, event: events.StreamDataReceived) -> None:
-        serve = conn.serves.get(sid)
-        if serve is None:
-            serve = conn.serves[sid] = Serve()
-            if self._handler is None:
-                self._refuse(conn, sid, serve, ErrorCode.NO_HANDLER)
-            elif sid & 2:  # unidirectional streams carry nothing in our protocol
-                self._refuse(conn, sid, serve, ErrorCode.PROTOCOL_VIOLATION)
-        if not serve.refused:
-            serve.data += event.data
-            if len(serve.data) > self.max_message:
-                log.warning("quic.request_too_large", peer=str(conn.peer), limit=self.max_message)
-                self._refuse(conn, sid, serve, ErrorCode.MESSAGE_TOO_LARGE)
-        if event.end_stream:
-            if serve.refused:
-                del conn.serves[sid]
-            else:
-                request, serve.data = bytes(serve.data), bytearray()
-                serve.task = self._spawn(self._serve(conn, sid, request))
-
-    def _refuse(self, conn: Conn, sid: int, serve: Serve, code: ErrorCode) -> None:
-        serve.refused = True
-        serve.data = bytearray()
-        self._abort(conn, sid, code)
-
-    def _abort(self, conn: Conn, sid: int, code: ErrorCode) -> None:
-        """Stop both directions of a stream; a stream aioquic already discarded needs nothing."""
-        with contextlib.suppress(ValueError):
-            conn.quic.stop_stream(sid, code)
-        if not sid & 2:
-            with contextlib.suppress(ValueError):
-                conn.quic.reset_stream(sid, code)
-
-    def _on_stream_reset(self, conn: Conn, sid: int, code: int) -> None:
-        if conn.is_local(sid):
-            call = conn.calls.pop(sid, None)
-            if call is not None:
-                error: TransportError = (
-                    MessageTooLarge(f"{conn.peer} refused the request: it exceeds the peer's max_message")
-                    if code == ErrorCode.MESSAGE_TOO_LARGE
-                    else RemoteError(conn.peer, code)
-                )
-                settle(call.future, error=error)
-        else:
-            serve = conn.serves.pop(sid, None)
-            if serve is not None and serve.task is not None:
-                serve.task.cancel()
+    def _perform(self, conn: Conn, outputs: Sequence[Output]) -> None:
+        """Carry out what ``RequestStreams`` returned: stream commands to aioquic, results to futures and tasks."""
+        for out in outputs:
+            if isinstance(out, SendStream):
+                conn.quic.send_stream_data(out.stream_id, out.data, end_stream=out.end_stream)
+            elif isinstance(out, ResetStream):
+                with contextlib.suppress(ValueError):  # a stream aioquic already discarded needs nothing
+                    conn.quic.reset_stream(out.stream_id, out.code)
+            elif isinstance(out, AbortStream):
+                with contextlib.suppress(ValueError):
+                    conn.quic.stop_stream(out.stream_id, out.code)
+                if not out.stream_id & 2:
+                    with contextlib.suppress(ValueError):
+                        conn.quic.reset_stream(out.stream_id, out.code)
+            elif isinstance(out, ReplyReceived):
+                if (future := conn.calls.pop(out.stream_id, None)) is not None:
+                    settle(future, result=out.data)
+            elif isinstance(out, CallFailed):
+                if (future := conn.calls.pop(out.stream_id, None)) is not None:
+                    settle(future, error=out.error)
+            elif isinstance(out, RequestReceived):
+                conn.serves[out.stream_id] = self._spawn(self._serve(conn, out.stream_id, out.data))
+            elif isinstance(out, ServeCancelled) and (task := conn.serves.pop(out.stream_id, None)) is not None:
+                task.cancel()
 
     async def _serve(self, conn: Conn, sid: int, request: bytes) -> None:
-        assert self._handler is not None and conn.peer is not None
-        code: ErrorCode | None = None
+        assert self._handler is not None and conn.peer is not None and conn.streams is not None
         try:
             reply = await self._handler(conn.peer, request)
             if not isinstance(reply, (bytes, bytearray, memoryview)):
                 raise TypeError(f"handler returned {type(reply).__name__}, not bytes")
         except Exception:  # the caller gets HANDLER_FAILED; the log keeps the traceback
             log.exception("quic.handler_failed", peer=str(conn.peer), stream=sid)
-            code = ErrorCode.HANDLER_FAILED
+            commands = conn.streams.refuse(sid, ErrorCode.HANDLER_FAILED)
         else:
-            if len(reply) > self.max_message:
-                log.warning("quic.reply_too_large", peer=str(conn.peer), size=len(reply), limit=self.max_message)
-                code = ErrorCode.MESSAGE_TOO_LARGE
-        if conn.serves.pop(sid, None) is None or conn.failure is not None:
-            return  # the caller cancelled, or the connection closed meanwhile
-        if code is None:
-            conn.quic.send_stream_data(sid, reply, end_stream=True)
-        else:
-            conn.quic.reset_stream(sid, code)
-        self._pump(conn)
+            commands = conn.streams.reply(sid, reply)
+        conn.serves.pop(sid, None)
+        if conn.failure is None:  # else the connection closed meanwhile (and cancelled every serve)
+            self._perform(conn, commands)
+            self._pump(conn)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = self._loop.create_task(coro)

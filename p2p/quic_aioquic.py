@@ -3,19 +3,21 @@ bounds what a peer can make it buffer, plus the import-time checks of the privat
 
 Kept apart from the endpoint so every reliance on aioquic internals sits in one short file (see the pitfalls in
 :mod:`p2p.quic`'s docstring and docs/FIELD-NOTES.md): the server's client-certificate switch, the unpatched
-``QuicStreamSender.get_frame`` (libp2p replaces it process-wide), and the stream-window cap.
+``QuicStreamSender.get_frame`` (libp2p replaces it process-wide), the stream-window cap, the peer's certificates
+and the connection's pending close.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from types import MethodType
 from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
 import aioquic.quic.stream
 import aioquic.tls
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import ConnectionTerminated
 from cryptography.hazmat.primitives.serialization import Encoding
 
 
@@ -39,6 +41,8 @@ def _check_aioquic_internals() -> None:
     """Fail at import, not mid-handshake, if aioquic no longer has the private hooks we rely on."""
     hooks = ("_initialize", "_write_crypto_frame", "_write_stream_frame", "_write_stream_limits")
     missing = [name for name in hooks if not hasattr(QuicConnection, name)]
+    if "_close_event" not in QuicConnection.__init__.__code__.co_names:
+        missing.append("_close_event")
     names = aioquic.tls.Context.__init__.__code__.co_names
     wanted = ("_request_client_certificate", "_peer_certificate", "_peer_certificate_chain")
     missing += [name for name in wanted if name not in names]
@@ -95,3 +99,11 @@ class AuthQuicConnection(QuicConnection):
         if leaf is None:
             return []
         return [c.public_bytes(Encoding.DER) for c in [leaf, *self.tls._peer_certificate_chain]]
+
+    def closing(self) -> ConnectionTerminated | None:
+        """Why the connection is closing, as soon as either side closes it; None while it is open.
+
+        aioquic sets this at once but emits the ``ConnectionTerminated`` event only after the closing period (3 PTO),
+        so pending requests would hang that long; the endpoint fails them as soon as this is set.
+        """
+        return self._close_event

@@ -1,6 +1,8 @@
-"""What ``p2p.quic.Endpoint`` keeps per connection and per request stream: plain records, no I/O of their own.
+"""What ``p2p.quic.Endpoint`` keeps per connection: a plain record, no I/O of its own.
 
 Split from ``p2p.quic`` so the endpoint module holds only behaviour; the endpoint alone creates and changes these.
+The request bookkeeping on the connection's streams is the sans-IO ``p2p.quic_streams.RequestStreams``; the record
+holds only what ties it to asyncio (the caller's futures and the handler's tasks).
 """
 
 from __future__ import annotations
@@ -12,28 +14,12 @@ from typing import Any
 from p2p.identity import PeerId
 from p2p.quic_aioquic import AuthQuicConnection
 from p2p.quic_errors import Address, TransportError
-
-
-@dataclass(eq=False)
-class Call:
-    """A request we sent, waiting for its reply."""
-
-    future: asyncio.Future[bytes]
-    data: bytearray = field(default_factory=bytearray)
-
-
-@dataclass(eq=False)
-class Serve:
-    """A request we are receiving (``task`` None) or answering; ``refused`` ones only wait for the stream to end."""
-
-    data: bytearray = field(default_factory=bytearray)
-    task: asyncio.Task[None] | None = None
-    refused: bool = False
+from p2p.quic_streams import RequestStreams
 
 
 @dataclass(eq=False)
 class Conn:
-    """One QUIC connection: aioquic's state machine, who is on the other end, and our requests on its streams."""
+    """One QUIC connection: aioquic's state machine, who is on the other end, and the requests on its streams."""
 
     quic: AuthQuicConnection
     ready: asyncio.Future[None]  # resolves once the peer's certificate is verified
@@ -41,8 +27,9 @@ class Conn:
     peer: PeerId | None = None  # the verified peer id
     failure: TransportError | None = None  # set when the connection starts closing
     close_reason: str = ""
-    calls: dict[int, Call] = field(default_factory=dict)
-    serves: dict[int, Serve] = field(default_factory=dict)
+    streams: RequestStreams | None = None  # made once the peer is verified
+    calls: dict[int, asyncio.Future[bytes]] = field(default_factory=dict)  # our requests, by stream id
+    serves: dict[int, asyncio.Task[None]] = field(default_factory=dict)  # the handler answering each request
     cids: set[bytes] = field(default_factory=set)
     timer: asyncio.TimerHandle | None = None
     timer_at: float | None = None
@@ -54,9 +41,6 @@ class Conn:
     @property
     def addr(self) -> Address | None:
         return self.quic.get_peer_address()
-
-    def is_local(self, stream_id: int) -> bool:
-        return (stream_id & 1) == (0 if self.is_client else 1)
 
 
 def settle(future: asyncio.Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:

@@ -9,7 +9,7 @@ requests use while the relayed one stays open as a warm spare: when the direct c
 failover moves requests back to it.
 
 Uses only ``Endpoint``'s public calls: ``set_datagram_filter``, ``sendto``, ``connections``, ``paths``,
-``dial_path``, ``prefer_path`` and ``close_path``.
+``dial_path``, ``prefer_path``, ``close_path`` and ``subscribe`` / ``unsubscribe``.
 
 ``RelayTap`` does the same for a relay link: frames whose first byte is ``FRAME_MARK`` go to us, everything else
 on to whoever consumed the link's packets before (``relay.client.RelayPath``, which feeds them to QUIC).
@@ -25,6 +25,7 @@ import structlog
 from p2p.identity import PeerId
 from p2p.natwire import FRAME_MARK, Address
 from p2p.quic import Endpoint, is_ip
+from p2p.quic_events import Subscriber
 
 __all__ = ["EndpointTap", "FrameHandler", "RelayLink", "RelayTap", "is_ip"]
 
@@ -98,6 +99,13 @@ class EndpointTap:
     def close_path(self, peer: PeerId, addr: Address, reason: str) -> bool:
         """Close the connection to ``peer`` at ``addr`` (requests move to another one); False if there is none."""
         return self.endpoint.close_path(peer, addr, reason)
+
+    def subscribe(self, fn: Subscriber) -> None:
+        """Call ``fn`` as the endpoint's connections open and close (``p2p.quic_events``)."""
+        self.endpoint.subscribe(fn)
+
+    def unsubscribe(self, fn: Subscriber) -> None:
+        self.endpoint.unsubscribe(fn)
 
 
 class RelayLink(Protocol):

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,9 +23,17 @@ from p2p import quic, tls
 from p2p.quic_aioquic import AuthQuicConnection
 from p2p.identity import Identity, PeerId
 from p2p.quic import Endpoint, ErrorCode
+from p2p.quic_events import EndpointEvent, PathClosed, PathOpened
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait for ``condition`` to hold, looking again every 20 ms."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.02)
 
 
 def run(coro: Awaitable[Any], timeout: float = 20.0) -> Any:
@@ -441,15 +449,17 @@ def test_server_killed_mid_request_fails_promptly() -> None:
 def test_local_close_fails_pending_requests() -> None:
     """Closing the endpoint fails its pending requests with ConnectionLost instead of leaving them hanging."""
 
+    started = asyncio.Event()
+
     async def stuck(peer: PeerId, data: bytes) -> bytes:
+        started.set()
         await asyncio.Event().wait()
         return b""
 
     async def scenario() -> None:
         async with endpoints(stuck) as (server, client):
             pending = asyncio.create_task(client.request(server.local_addr, server.peer_id, b"x", timeout=30))
-            await client.connect(server.local_addr, server.peer_id, timeout=5)
-            await asyncio.sleep(0.1)
+            await asyncio.wait_for(started.wait(), 5)  # the request is out and being answered
             await client.close()
             with pytest.raises(quic.ConnectionLost, match="local endpoint closed"):
                 await pending
@@ -578,10 +588,11 @@ def test_dial_path_adds_a_second_connection_and_prefer_path_moves_requests() -> 
 
 def test_close_path_fails_its_requests_and_later_ones_use_the_other_path() -> None:
     """close_path ends one connection (its pending request fails) and requests fall back to the remaining path."""
-    release = asyncio.Event()
+    held, release = asyncio.Event(), asyncio.Event()
 
     async def hold(peer: PeerId, data: bytes) -> bytes:
         if data == b"hold":
+            held.set()
             await release.wait()
         return data
 
@@ -592,7 +603,7 @@ def test_close_path_fails_its_requests_and_later_ones_use_the_other_path() -> No
             await client.connect(direct, peer, timeout=5)
             await client.dial_path(peer, virtual, timeout=5)
             pending = asyncio.create_task(client.request(direct, peer, b"hold", timeout=10))
-            await asyncio.sleep(0.1)
+            await asyncio.wait_for(held.wait(), 5)
             assert client.close_path(peer, direct, "test: path died")
             with pytest.raises(quic.ConnectionLost, match="test: path died"):
                 await pending
@@ -623,6 +634,40 @@ def test_dial_path_that_times_out_is_abandoned() -> None:
             await client.close()
             with pytest.raises(quic.ConnectionLost, match="local endpoint closed"):
                 await client.dial_path(server.peer_id, server.local_addr, timeout=1)
+
+    run(scenario())
+
+
+def test_subscribers_see_paths_open_and_close() -> None:
+    """subscribe() reports each verified connection as PathOpened and its end as PathClosed (with the reason), on
+    both sides; an unsubscribed function hears nothing more."""
+
+    async def scenario() -> None:
+        async with endpoints(keepalive=False) as (server, client):
+            seen: dict[str, list[EndpointEvent]] = {"client": [], "server": []}
+            client.subscribe(seen["client"].append)
+            server.subscribe(seen["server"].append)
+            virtual, _ = virtual_link(client, server)
+            peer, direct = server.peer_id, server.local_addr
+            await client.connect(direct, peer, timeout=5)
+            await client.dial_path(peer, virtual, timeout=5)
+            assert seen["client"] == [PathOpened(peer, direct), PathOpened(peer, virtual)]
+            await until(lambda: len(seen["server"]) == 2)
+            assert {e.addr for e in seen["server"]} == {client.local_addr, ("virtual-a", 1)}
+            assert all(isinstance(e, PathOpened) and e.peer == client.peer_id for e in seen["server"])
+
+            assert client.close_path(peer, virtual, "test: path done")
+            closed = seen["client"][2]
+            assert isinstance(closed, PathClosed) and (closed.peer, closed.addr) == (peer, virtual)
+            assert "test: path done" in closed.reason
+            await until(lambda: len(seen["server"]) == 3)
+            assert isinstance(seen["server"][2], PathClosed) and seen["server"][2].addr == ("virtual-a", 1)
+
+            client.unsubscribe(seen["client"].append)
+            client.unsubscribe(seen["client"].append)  # a second time is ignored
+            assert client.close_path(peer, direct, "test: all done")
+            await until(lambda: len(seen["server"]) == 4)
+            assert len(seen["client"]) == 3
 
     run(scenario())
 
