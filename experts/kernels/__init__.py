@@ -8,5 +8,6 @@ from .base import QTYPES, Kernel, QuantWeight
 from .ggml_kernel import GgmlKernel
 from .identity import KernelIdentity
 from .reference import ReferenceKernel
+from .selftest import self_test
 
-__all__ = ["QTYPES", "GgmlKernel", "Kernel", "KernelIdentity", "QuantWeight", "ReferenceKernel"]
+__all__ = ["QTYPES", "GgmlKernel", "Kernel", "KernelIdentity", "QuantWeight", "ReferenceKernel", "self_test"]
