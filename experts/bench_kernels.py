@@ -126,3 +126,58 @@ def bench_kernels(
         "expert_compute": result,
         "config": {"hidden": hidden, "n_expert": n_expert, "top_k": top_k, "ffn": ffn, "qtype": qtype.name, "threads": threads, "rounds": rounds},
     }
+
+
+_RSS_CHILD = r"""
+import json, sys
+import numpy as np
+from experts.gguf_model import GGUFModel
+
+def status():
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
+
+path, mode, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = GGUFModel(path)
+cfg = model.cfg
+if mode == "packed":
+    from experts.kernels import GgmlKernel
+    from experts.packed_experts import PackedExperts
+    source = PackedExperts(model, GgmlKernel(threads=threads))
+else:
+    from experts.slices import ExpertStore
+    source = ExpertStore(model)
+x = np.ones((1, cfg.n_embd), dtype=np.float32)
+base = status()
+for layer in model.layers:  # every expert serves one token: every hosted weight is touched once
+    for e in range(model.experts.start, model.experts.stop):
+        if mode == "packed":
+            source.ffn(layer, x, np.array([e]))
+        else:
+            from experts.moe import expert_ffn
+            expert_ffn(x, *source.weights(layer, e))
+print(json.dumps({"baseline": base, "served": status()}))
+"""
+
+
+def resident_memory(path: str, mode: str = "packed", threads: int = 1) -> dict:
+    """Resident bytes of a fresh process that opens the GGUF at *path* and serves every expert once.
+
+    *mode* "packed": ``PackedExperts`` through the ggml kernel (weights stay in the memory map);
+    "cached": today's ``ExpertStore`` in cached mode (every expert dequantized to float32 and kept).
+    Returns the baseline (model opened, no expert used) and the served figures (VmRSS / RssAnon /
+    RssFile), measured by the child from /proc/self/status.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if mode not in ("packed", "cached"):
+        raise ValueError(f"mode must be 'packed' or 'cached', not {mode!r}")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1")}
+    done = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path), mode, str(threads)], capture_output=True, text=True, env=env, check=True)
+    got = json.loads(done.stdout.strip().splitlines()[-1])  # the last line: the store may log before it
+    got["file_bytes"] = os.path.getsize(path)
+    got["served_minus_baseline"] = got["served"]["VmRSS"] - got["baseline"]["VmRSS"]
+    return got

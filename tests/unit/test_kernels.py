@@ -246,3 +246,63 @@ def test_bench_kernels_reports_the_keys():
     for key in ("kernel_1tok_ms", "kernel_8tok_ms_per_token", "floor_1tok_ms", "bandwidth_gbs", "reference_1tok_ms"):
         assert ec[key] > 0
     assert ec["kernel"].startswith("ggml-python") and result["config"]["threads"] == 1
+
+
+# ---- experts served from the packed bytes ---------------------------------------------------------------------
+
+
+def _routing(n: int, n_expert: int, k: int, seed: int):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n)]).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, size=(n, k)).astype(np.float32)
+    held = rng.uniform(size=(n, k)) < 0.7
+    return ids, w, held
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_packed_partial_sum_with_reference_is_todays_bits(tmp_path, arch):
+    """Through the reference kernel, packed_partial_sum equals today's partial_sum over ExpertStore bit for bit."""
+    from experts.moe import partial_sum
+    from experts.packed_experts import PackedExperts, packed_partial_sum
+    from experts.slices import ExpertStore
+
+    model = GGUFModel(make_model(tmp_path, arch, Q.Q4_K, n_embd=256, n_ff_exp=256))
+    x = rows(7, 20)
+    ids, w, held = _routing(7, model.cfg.n_expert, model.cfg.n_expert_used, 21)
+    for layer in model.layers:
+        want = partial_sum(ExpertStore(model), layer, x, ids, w, held)
+        got = packed_partial_sum(PackedExperts(model, ReferenceKernel()), layer, x, ids, w, held)
+        np.testing.assert_array_equal(bits(got[0]), bits(want[0]))
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_packed_partial_sum_with_ggml_close_and_invariant(tmp_path, ggml_kernel):
+    """Through ggml, packed partial sums are close to today's and a token's sum does not depend on the batch."""
+    from experts.moe import partial_sum
+    from experts.packed_experts import PackedExperts, packed_partial_sum
+    from experts.slices import ExpertStore
+
+    model = GGUFModel(make_model(tmp_path, "qwen3moe", Q.Q4_K, n_embd=256, n_ff_exp=256))
+    src = PackedExperts(model, ggml_kernel)
+    assert src.packed_bytes == sum(model.tensors[f"blk.{i}.{k}.weight"].n_bytes for i in model.layers for k in model.expert_kinds(i))
+    x = rows(9, 22)
+    ids, w, held = _routing(9, model.cfg.n_expert, model.cfg.n_expert_used, 23)
+    held[:, 0] = True
+    got, _ = packed_partial_sum(src, 1, x, ids, w, held)
+    want, _ = partial_sum(ExpertStore(model), 1, x, ids, w, held)
+    assert cosines(got, want).min() >= FFN_COS
+    for t in range(9):
+        alone, _ = packed_partial_sum(src, 1, x[t : t + 1], ids[t : t + 1], w[t : t + 1], held[t : t + 1])
+        np.testing.assert_array_equal(bits(alone[0]), bits(got[t]))
+
+
+def test_packed_experts_refuse_experts_not_hosted(tmp_path, ggml_kernel):
+    """Asking a PackedExperts for an expert outside its range is a SliceError, not a wrong answer."""
+    from experts.errors import SliceError
+    from experts.gguf_model import ExpertRange
+    from experts.packed_experts import PackedExperts
+
+    model = GGUFModel(make_model(tmp_path, "qwen3moe", Q.Q8_0))
+    src = PackedExperts(model, ggml_kernel, experts=ExpertRange(0, 4))
+    with pytest.raises(SliceError):
+        src.ffn(0, rows(1, 24)[:, : model.cfg.n_embd], np.array([5]))
