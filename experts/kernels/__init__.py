@@ -5,9 +5,10 @@ code via ggml-python). ``self_test`` must pass on the running machine before a k
 """
 
 from .base import QTYPES, Kernel, QuantWeight
+from .choose import KERNELS, make_kernel
 from .ggml_kernel import GgmlKernel
 from .identity import KernelIdentity
 from .reference import ReferenceKernel
 from .selftest import self_test
 
-__all__ = ["QTYPES", "GgmlKernel", "Kernel", "KernelIdentity", "QuantWeight", "ReferenceKernel", "self_test"]
+__all__ = ["KERNELS", "QTYPES", "GgmlKernel", "Kernel", "KernelIdentity", "QuantWeight", "ReferenceKernel", "make_kernel", "self_test"]

@@ -306,3 +306,26 @@ def test_packed_experts_refuse_experts_not_hosted(tmp_path, ggml_kernel):
     src = PackedExperts(model, ggml_kernel, experts=ExpertRange(0, 4))
     with pytest.raises(SliceError):
         src.ffn(0, rows(1, 24)[:, : model.cfg.n_embd], np.array([5]))
+
+
+# ---- choosing a kernel --------------------------------------------------------------------------------------------
+
+
+def test_make_kernel_builds_and_self_tests():
+    """make_kernel returns the named kernel with its thread count, self-tested; an unknown name is a KernelError."""
+    from experts.kernels import make_kernel
+
+    k = make_kernel("ggml", threads=2)
+    assert isinstance(k, GgmlKernel) and k.threads == 2
+    assert isinstance(make_kernel("reference", check=False), ReferenceKernel)
+    with pytest.raises(KernelError, match="unknown kernel 'blas'"):
+        make_kernel("blas")
+
+
+def test_make_kernel_refuses_a_kernel_that_fails_its_self_test(monkeypatch):
+    """A registered kernel that varies with the batch is refused at start-up by make_kernel."""
+    from experts.kernels import choose
+
+    monkeypatch.setitem(choose.KERNELS, "varying", lambda threads: VaryingKernel(batch=8))
+    with pytest.raises(KernelError, match="varying-double"):
+        choose.make_kernel("varying")
