@@ -120,6 +120,9 @@ class GgmlKernel:
         if x.shape[1] != k:
             raise ValueError(f"x has {x.shape[1]} columns, the weight {k}")
         w = np.ascontiguousarray(weight).view(np.uint8)  # a no-op on a memory-mapped row-major weight
+        need = n * gguf.quant_shape_to_byte_shape((k,), qtype)[0]
+        if w.nbytes != need:  # ggml would read past the buffer
+            raise ValueError(f"a {qtype.name} weight of shape {shape} has {need} bytes, got {w.nbytes}")
         out = np.empty((m, n), dtype=np.float32)
         if m == 0:
             return out
@@ -136,7 +139,7 @@ class GgmlKernel:
     def _stack(self, ctx, w: QuantWeight):
         n_expert, rows, cols = w.shape
         data = w.data
-        if data.strides[-1] != 1 or data.shape[-1] != rows * w.row_bytes:
+        if data.ndim != 2 or data.shape[0] != n_expert or data.strides[-1] != 1 or data.shape[-1] != rows * w.row_bytes:
             raise ValueError(f"expert stack of shape {w.shape} needs (n_expert, {rows * w.row_bytes}) bytes with contiguous experts")
         t = ggml.ggml_new_tensor_3d(ctx, int(w.qtype), cols, rows, n_expert)
         t.contents.nb[2] = data.strides[0]  # a fused gate_up half is a strided view into the file

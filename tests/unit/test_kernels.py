@@ -329,3 +329,13 @@ def test_make_kernel_refuses_a_kernel_that_fails_its_self_test(monkeypatch):
     monkeypatch.setitem(choose.KERNELS, "varying", lambda threads: VaryingKernel(batch=8))
     with pytest.raises(KernelError, match="varying-double"):
         choose.make_kernel("varying")
+
+
+def test_ggml_rejects_weights_of_the_wrong_size(ggml_kernel):
+    """A weight whose bytes do not match its shape is a ValueError, never a read past the buffer."""
+    w = weight(Q.Q8_0)
+    with pytest.raises(ValueError, match="bytes"):
+        ggml_kernel.matmul(rows(1, 30), w[:-1], Q.Q8_0, (N, D))
+    gate, up, down = stacks(Q.Q8_0)
+    with pytest.raises(ValueError, match="expert stack"):
+        ggml_kernel.expert_ffn(rows(1, 31), np.zeros(1, np.int32), QuantWeight(gate.data[:-1], Q.Q8_0, gate.shape), up, down)
