@@ -3,11 +3,15 @@
 
 # ---- build: wheels for every dependency and for moeswarm itself -------------------------------------------------
 FROM python:3.11-slim AS build
-# libp2p 0.8.1 depends on fastecdsa, which has no wheel on PyPI: it compiles against GMP.
+# libp2p 0.8.1 depends on fastecdsa, which has no wheel on PyPI: it compiles against GMP. ggml-python (the
+# expert kernel) has no wheel either: it compiles libggml (C and C++; scikit-build-core fetches CMake from PyPI).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev libgmp-dev \
+    && apt-get install -y --no-install-recommends gcc g++ libc6-dev libgmp-dev \
     && rm -rf /var/lib/apt/lists/*
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# An image runs on machines other than the one that built it: target AVX2/FMA/F16C x86-64 instead of -march=native.
+# The CPU features the build uses are part of the kernel identity a worker announces.
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 WORKDIR /src
 # Dependencies first, read from pyproject.toml (no second list to keep in step), so editing the code
 # does not rebuild them.
@@ -24,8 +28,9 @@ RUN pip wheel --no-deps --wheel-dir /wheels .
 # ---- runtime ----------------------------------------------------------------------------------------------------
 FROM python:3.11-slim
 # iproute2: a NAT-bound node points its default route at the NAT router (docker/entrypoint.sh).
+# libgomp1: libggml's threads are OpenMP's.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends iproute2 \
+    && apt-get install -y --no-install-recommends iproute2 libgomp1 \
     && rm -rf /var/lib/apt/lists/*
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 MOESWARM_HOME=/data
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \

@@ -38,3 +38,7 @@ class SliceError(UsageError):
 
 class CodecError(UsageError):
     """Wire bytes do not decode under the codec they claim, or the codec is not allowed."""
+
+
+class KernelError(MoeSwarmError):
+    """The compute kernel on this machine failed its self-test (a row's bits depend on its batch): do not serve."""

@@ -1,0 +1,34 @@
+"""Pick a kernel by name and prove it on this machine before it serves.
+
+A worker or backbone calls ``make_kernel(name, threads)`` once at start-up: the kernel is built,
+then ``self_test`` runs (~0.5 s for ggml, every quant type); a kernel that fails raises
+``KernelError`` naming it, so the process refuses to serve instead of returning bits that depend
+on the batch. ``ggml`` is the default because it is the fast one; ``reference`` is the portable one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import KernelError
+from .base import Kernel
+from .ggml_kernel import GgmlKernel
+from .reference import ReferenceKernel
+from .selftest import self_test
+
+KERNELS: dict[str, Callable[[int], Kernel]] = {
+    "ggml": lambda threads: GgmlKernel(threads=threads),
+    "reference": lambda threads: ReferenceKernel(threads=threads),
+}
+DEFAULT = "ggml"
+
+
+def make_kernel(name: str = DEFAULT, threads: int = 1, *, check: bool = True) -> Kernel:
+    """The kernel called *name* with *threads* threads, self-tested on this machine unless ``check=False``."""
+    make = KERNELS.get(name)
+    if make is None:
+        raise KernelError(f"unknown kernel {name!r}; choose one of {', '.join(sorted(KERNELS))}")
+    kernel = make(threads)
+    if check:
+        self_test(kernel)
+    return kernel

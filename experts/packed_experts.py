@@ -1,0 +1,99 @@
+"""Expert FFNs served straight from a model's (or slice's) memory-mapped packed bytes through a kernel.
+
+Today's ``slices.ExpertStore`` either caches every hosted expert dequantized to float32 (~7x the
+Q4_K file in memory) or dequantizes per dispatch (~12x slower). ``PackedExperts`` does neither:
+it hands the kernel views into the file's memory map, so resident memory for weights is the
+pages of the experts actually used, at most the file size, and compute runs on the packed bytes.
+
+``packed_partial_sum`` is ``moe.partial_sum`` with one kernel call for every (token, held slot)
+pair instead of one FFN per expert; the weighting and the slot-order sum are the same code, so
+with the reference kernel its bits are exactly today's (tested), and with another kernel they
+are that kernel's (batch invariant, as its self-test proves).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .arch import FUSED_GATE_UP
+from .errors import SliceError
+from .gguf_model import ExpertRange, GGUFModel
+from .kernels import Kernel, QuantWeight
+from .moe import ExpertSource, ordered_sum
+
+
+class PackedExperts(ExpertSource):
+    """The experts of *layers* x *experts* of a GGUF model or slice, computed in place by *kernel*."""
+
+    def __init__(self, model: GGUFModel, kernel: Kernel, layers: range | None = None, experts: ExpertRange | None = None) -> None:
+        self.model = model
+        self.kernel = kernel
+        self.layers = layers if layers is not None else model.layers
+        self.experts = experts or model.experts
+        if self.layers.start < model.layers.start or self.layers.stop > model.layers.stop:
+            raise SliceError(f"layers {self.layers.start}-{self.layers.stop - 1} are not in {model.path}")
+        if self.experts.start < model.experts.start or self.experts.stop > model.experts.stop:
+            raise SliceError(f"experts {self.experts} are not in {model.path} (it has {model.experts})")
+        self._stacks: dict[int, tuple[QuantWeight, QuantWeight, QuantWeight]] = {}
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return layer in self.layers and expert in self.experts
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the hosted experts' packed weights (what resident memory for them tends to)."""
+        total = 0
+        for i in self.layers:
+            for kind in self.model.expert_kinds(i):
+                t = self.model.tensors[f"blk.{i}.{kind}.weight"]
+                total += t.n_bytes // self.model.shape(t.name)[0] * len(self.experts)
+        return total
+
+    def stacks(self, layer: int) -> tuple[QuantWeight, QuantWeight, QuantWeight]:
+        """(gate, up, down) of *layer* as zero-copy views of the file, indexed by local expert."""
+        got = self._stacks.get(layer)
+        if got is None:
+            m = self.model
+            kinds = m.expert_kinds(layer)
+            views = []
+            for kind in kinds:
+                name = f"blk.{layer}.{kind}.weight"
+                views.append(QuantWeight(m.raw(name).reshape(m.shape(name)[0], -1), m.qtype(name), m.shape(name)))
+            if kinds[0] == FUSED_GATE_UP:  # gate rows first, then up: two strided halves of each expert
+                fused, down = views
+                n, two_ff, d = fused.shape
+                half = fused.data.shape[1] // 2
+                views = [QuantWeight(fused.data[:, :half], fused.qtype, (n, two_ff // 2, d)), QuantWeight(fused.data[:, half:], fused.qtype, (n, two_ff // 2, d)), down]
+            got = self._stacks[layer] = (views[0], views[1], views[2])
+        return got
+
+    def ffn(self, layer: int, x: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """The FFN of expert ``experts[i]`` (global index) on row ``x[i]``, for every row."""
+        experts = np.asarray(experts)
+        if len(experts) and not all(self.holds(layer, int(e)) for e in np.unique(experts)):
+            raise SliceError(f"an expert of {np.unique(experts).tolist()} of layer {layer} is not hosted here")
+        return self.kernel.expert_ffn(x, (experts - self.model.experts.start).astype(np.int32), *self.stacks(layer))
+
+    def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Dequantized weights of one expert (for callers of the ExpertSource interface; not cached)."""
+        if not self.holds(layer, expert):
+            raise SliceError(f"expert {expert} of layer {layer} is not hosted here")
+        return self.model.expert_weights(layer, expert)
+
+
+def packed_partial_sum(
+    source: PackedExperts,
+    layer: int,
+    x: np.ndarray,
+    expert_ids: np.ndarray,
+    weights: np.ndarray,
+    held: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``moe.partial_sum`` through the source's kernel: every held (token, slot) pair in one call."""
+    n, k = expert_ids.shape
+    contrib = np.zeros((n, k, x.shape[1]), dtype=np.float32)
+    rows, slots = np.nonzero(held)
+    if len(rows):
+        y = source.ffn(layer, x[rows], expert_ids[rows, slots])
+        contrib[rows, slots] = weights[rows, slots][:, None] * y
+    return ordered_sum(contrib, held)
