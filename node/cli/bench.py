@@ -129,7 +129,7 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
     """Loopback decode throughput, remote (1 worker process over QUIC) vs all-local, and exact message bytes."""
     import asyncio
 
-    from experts.forward import Backbone
+    from experts.forward import Backbone, local_moe
     from experts.generate import generate
     from experts.moe import Partition, grouped_moe
     from p2p.identity import Identity
@@ -146,7 +146,7 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
         bb = Backbone(model)
         store = ExpertStore(model)
         whole = Partition(((0, cfg.n_expert),))
-        local_hook = lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w)  # noqa: E731
+        local_hook = local_moe(lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w))
         store.warm()
 
         def decode(hook) -> tuple[list[int], float]:
