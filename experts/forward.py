@@ -34,7 +34,8 @@ MoeCompute = Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 def local_moe(compute: MoeCompute) -> MoeFfn:
     """*compute* as a hook: the sum is computed at the call and handed back as a completed Future.
 
-    Local paths have no round trip to hide, so they pay nothing for the hook's one shape.
+    A local path has no round trip to hide; the completed Future keeps every hook one shape,
+    so the forward waits for the routed sum in one place whoever computes it.
     """
 
     def hook(layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> Future[np.ndarray]:
