@@ -6,9 +6,9 @@ sequences, which is what makes those optimisations exactly output-preserving.
 
 Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts): the per-arch
 differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
-thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> routed_sum``
-(llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe`;
-in the swarm it is a dispatch to the workers that host the chosen experts. The router
+thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> Future[routed_sum]``
+(llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe` through
+:func:`local_moe`; in the swarm it is a dispatch to the workers that host the chosen experts. The router
 and the shared expert stay here, next to the hidden state they read.
 """
 
@@ -24,9 +24,26 @@ from .arch import RopeStyle, SharedExpert
 from .gguf_model import GGUFModel
 from .moe import expert_ffn, route, softmax, tiled_matmul
 
-# The hook returns the routed sum, or a Future of it: the forward then computes the shared
-# expert (an independent additive term) while the remote round trip is in flight.
-MoeFfn = Callable[[int, np.ndarray, np.ndarray, np.ndarray], "np.ndarray | Future[np.ndarray]"]
+# The hook returns a Future of the routed sum, always: the forward computes the shared expert (an
+# independent additive term) while a remote round trip is in flight, then waits, in one place.
+MoeFfn = Callable[[int, np.ndarray, np.ndarray, np.ndarray], "Future[np.ndarray]"]
+# The routed sum computed on the calling thread (e.g. experts.moe.grouped_moe with its store bound).
+MoeCompute = Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def local_moe(compute: MoeCompute) -> MoeFfn:
+    """*compute* as a hook: the sum is computed at the call and handed back as a completed Future.
+
+    A local path has no round trip to hide; the completed Future keeps every hook one shape,
+    so the forward waits for the routed sum in one place whoever computes it.
+    """
+
+    def hook(layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> Future[np.ndarray]:
+        done: Future[np.ndarray] = Future()
+        done.set_result(compute(layer, x, ids, w))
+        return done
+
+    return hook
 
 
 def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -190,7 +207,7 @@ class Backbone:
             ids, w = self.router(i, h)
             routed = moe_ffn(i, h, ids, w)
             sh = self.shared_expert(i, h)  # runs while a remote dispatch is in flight
-            out = routed.result() if isinstance(routed, Future) else routed
+            out = routed.result()
             if sh is not None:
                 out = out + sh
             x = x + out

@@ -44,13 +44,26 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
     return int(rng.choice(p.size, p=p))
 
 
-def check_request(backbone: Backbone, prompt: list[int], max_tokens: int) -> None:
-    """Reject a request before any forward pass: empty prompt, or more tokens than the context holds."""
+def check_request(backbone: Backbone, prompt: list[int], max_tokens: int, cache: KVCache | None = None) -> None:
+    """Reject a request before any forward pass: empty prompt, more tokens than the context holds, or a
+    starting cache that leaves no prompt token to feed (the prefill's last row gives the first token)."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     limit = backbone.cfg.context_length
     if len(prompt) + max_tokens > limit:
         raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the model's context of {limit}")
+    if cache is not None and cache.n_past >= len(prompt):
+        raise ValueError(f"the cache holds {cache.n_past} positions of a {len(prompt)}-token prompt; at least its last token must be fed")
+
+
+def prefill(backbone: Backbone, prompt: list[int], moe_ffn: MoeFfn, cache: KVCache | None) -> tuple[KVCache, np.ndarray]:
+    """Feed the prompt tokens *cache* does not hold yet (all of them without one); (the cache, their logits).
+
+    A given cache must hold the keys/values of ``prompt[:cache.n_past]`` (a reused prefix,
+    see :mod:`node.backbone.prefix_cache`); it is extended in place, so the caller can keep it.
+    """
+    cache = cache if cache is not None else KVCache()
+    return cache, backbone.forward(prompt[cache.n_past :], cache, moe_ffn)
 
 
 def generate(
@@ -61,16 +74,19 @@ def generate(
     *,
     sampling: Sampling = Sampling(),
     stop: set[int] | None = None,
+    cache: KVCache | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (token, logits it was sampled from) until max_tokens or a stop token.
 
     One forward pass per token: the prefill yields the first, each later pass the next
-    (no pass is run for the token after the last one).
+    (no pass is run for the token after the last one). *cache*, if given, already holds
+    a prefix of the prompt, which is not recomputed (see :func:`prefill`); it ends up
+    holding every position fed.
     """
-    check_request(backbone, prompt, max_tokens)
+    check_request(backbone, prompt, max_tokens, cache)
     rng = np.random.default_rng(sampling.seed)
-    cache = KVCache()
-    logits = backbone.forward(prompt, cache, moe_ffn)[-1]
+    cache, logits = prefill(backbone, prompt, moe_ffn, cache)
+    logits = logits[-1]
     for n in range(1, max_tokens + 1):
         tok = sample(logits, sampling, rng)
         yield tok, logits

@@ -37,8 +37,8 @@ import structlog
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .errors import ModelFormatError
-from .forward import Backbone, KVCache, MoeFfn
-from .generate import Sampling, check_request, probabilities, sample
+from .forward import Backbone, KVCache, MoeFfn, local_moe
+from .generate import Sampling, check_request, prefill, probabilities, sample
 from .gguf_model import GGUFModel
 from .moe import ungrouped_moe
 from .slices import ExpertStore
@@ -362,6 +362,7 @@ def speculative_generate(
     k_max: int = 8,
     adaptive: bool = True,
     stats: SpecStats | None = None,
+    cache: KVCache | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (token, logits it was drawn from) as :func:`experts.generate.generate` does, fewer passes.
 
@@ -370,9 +371,10 @@ def speculative_generate(
     with *adaptive* a length set by :func:`next_k` starting at k_max; never more than
     the tokens still allowed minus one, so no pass goes past max_tokens or the
     context. A step whose drafter proposes nothing is a plain one-token pass. *stats*,
-    if given, is updated as tokens are yielded.
+    if given, is updated as tokens are yielded. *cache* is as for ``generate``: a prompt
+    prefix not recomputed; it ends up holding the positions fed and kept (rejected drafts dropped).
     """
-    check_request(backbone, prompt, max_tokens)
+    check_request(backbone, prompt, max_tokens, cache)
     if k_max < 1:
         raise ValueError(f"k_max must be at least 1, not {k_max}")
     drafter = drafter if drafter is not None else PromptLookupDrafter()
@@ -384,8 +386,8 @@ def speculative_generate(
     context = np.empty(len(prompt) + max_tokens, dtype=np.int64)  # prompt, then every yielded token
     context[: len(prompt)] = prompt
     n, end = len(prompt), len(prompt) + max_tokens  # tokens in context now, and when to stop
-    cache = KVCache()
-    rows = backbone.forward(prompt, cache, moe_ffn)[-1:]  # the prefill: a step with an empty draft
+    cache, rows = prefill(backbone, prompt, moe_ffn, cache)
+    rows = rows[-1:]  # the prefill: a step with an empty draft
     stats.prefills += 1
     draft: list[int] = []
     k = k_max
@@ -441,7 +443,7 @@ def acceptance_stats(
             backbone,
             tok.encode(text),
             n_tokens,
-            lambda i, x, e, w: ungrouped_moe(store, i, x, e, w),
+            local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w)),
             stop={tok.eos_id},
             drafter=drafter,
             k_max=k_max,

@@ -18,7 +18,7 @@ import numpy as np
 
 from .codecs import Codec, roundtrip
 from .errors import CodecError
-from .forward import Backbone, KVCache
+from .forward import Backbone, KVCache, local_moe
 from .gguf_model import GGUFModel
 from .moe import (
     ExpertSource,
@@ -90,9 +90,9 @@ def run_gate(model: GGUFModel, codec: Codec, *, groups: int = 3, prompt: str = D
     store = ExpertStore(model)
     bb = Backbone(model)
     part = Partition.even(model.cfg.n_expert, groups)
-    local = bb.forward(tokens, KVCache(), lambda i, x, ids, w: grouped_moe(store, part, i, x, ids, w))
-    remote = bb.forward(tokens, KVCache(), wire_moe(store, part, codec))
-    ungrouped = bb.forward(tokens, KVCache(), lambda i, x, ids, w: ungrouped_moe(store, i, x, ids, w))
+    local = bb.forward(tokens, KVCache(), local_moe(lambda i, x, ids, w: grouped_moe(store, part, i, x, ids, w)))
+    remote = bb.forward(tokens, KVCache(), local_moe(wire_moe(store, part, codec)))
+    ungrouped = bb.forward(tokens, KVCache(), local_moe(lambda i, x, ids, w: ungrouped_moe(store, i, x, ids, w)))
     rl = compare(remote, local)
     gate_ok = rl.bit_identical if codec is Codec.F32 else (rl.min_cosine >= MIN_COSINE and rl.argmax_agree == 1.0)
     ref = None

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import Backbone, KVCache
+from experts.forward import Backbone, KVCache, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import ungrouped_moe
@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     backbone, store = Backbone(model), ExpertStore(model)
     tok = Tokenizer.from_spec(model.tokenizer_spec)
 
-    def moe_ffn(i, x, e, w):
-        return ungrouped_moe(store, i, x, e, w)
+    moe_ffn = local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w))
 
     verses = CORPUS.read_text(encoding="utf-8").splitlines(keepends=True)
     ids = np.array([t for v in verses for t in tok.encode(v)], np.int64)

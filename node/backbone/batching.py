@@ -3,9 +3,10 @@
 Each sequence runs its own forward pass (its own KV cache) on its own thread and calls
 its member hook once per MoE layer. :class:`BatchingMoE` holds those calls back for a
 moment, concatenates the token rows of all sequences at the same layer and makes ONE
-inner dispatch (:meth:`node.backbone.RemoteMoE.hook`, or a local compute function),
-then hands each sequence its own rows of the answer. Over a WAN a dispatch costs a
-round trip whatever its size, so eight sequences decode for the price of one.
+inner dispatch (:meth:`node.backbone.dispatch.RemoteMoE.dispatch_layer`, awaited right
+on the loop, or a local compute function), then hands each sequence its own rows of the
+answer. Over a WAN a dispatch costs a round trip whatever its size, so eight sequences
+decode for the price of one.
 
 Exactness: the forward and the MoE math are batch invariant (:mod:`experts.moe`): a
 row's result never depends on the rows dispatched with it, so each sequence gets the
@@ -45,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from itertools import count
 import numpy as np
 import structlog
 
-from experts.forward import MoeFfn
+from experts.forward import MoeCompute, MoeFfn
 from node.backbone.dispatch import Pins, RemoteMoE
 
 log = structlog.get_logger("node.backbone.batching")
@@ -205,12 +206,13 @@ class _Call:
 class BatchingMoE:
     """Batches the MoE calls of concurrent sequences, one dispatch per layer; the asyncio edge of :class:`LayerBatcher`.
 
-    *inner* is a :class:`RemoteMoE` (called on *loop*, which must own its endpoint) or a
-    local ``moe_ffn`` (run in the loop's default executor). All batching state lives on
-    the loop thread; sequence threads only post to it.
+    *inner* is a :class:`RemoteMoE` (its dispatch awaited on *loop*, which must own its
+    endpoint) or a local compute function (run in the loop's default executor). All
+    batching state lives on the loop thread; sequence threads only post to it and wait
+    on the Future their member hook returns.
     """
 
-    def __init__(self, inner: RemoteMoE | MoeFfn, n_layers: int, loop: asyncio.AbstractEventLoop, *, window_s: float = DEFAULT_WINDOW_S) -> None:
+    def __init__(self, inner: RemoteMoE | MoeCompute, n_layers: int, loop: asyncio.AbstractEventLoop, *, window_s: float = DEFAULT_WINDOW_S) -> None:
         self.inner = inner
         self.loop = loop
         self.core = LayerBatcher(n_layers, window_s)
@@ -298,9 +300,9 @@ class BatchingMoE:
         t0 = time.perf_counter()
         try:
             if isinstance(self.inner, RemoteMoE):
-                out = await asyncio.wrap_future(self.inner.hook(layer, x, ids, w, pins=pins))
+                out = await self.inner.dispatch_layer(layer, x, ids, w, pins)
             else:
-                out = await self.loop.run_in_executor(None, _call_local, self.inner, layer, x, ids, w)
+                out = await self.loop.run_in_executor(None, self.inner, layer, x, ids, w)
         except BaseException as exc:  # every waiting sequence gets the failure, a cancellation too; none hangs
             log.warning("batch.failed", layer=layer, members=len(members), error=repr(exc))
             self._launch(self.core.answered(members, self.loop.time()))
@@ -344,8 +346,3 @@ def affinity_groups(layer: int, members: Iterable[Hashable], pins: dict[Hashable
         else:
             groups.append(([m], dict(mine)))
     return groups
-
-
-def _call_local(fn: Callable, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
-    out = fn(layer, x, ids, w)
-    return out.result() if isinstance(out, Future) else out

@@ -185,11 +185,11 @@ class RemoteMoE:
 
         Returns a Future at once, so the forward computes the shared expert during the round trip.
         """
-        self.stats.tokens_forwarded += x.shape[0]
         return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w, pins), self.loop)
 
     async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None) -> np.ndarray:
         """*pins*, if given, steers each group to the host pinned for it (while that host is ready) and records the host that answered."""
+        self.stats.tokens_forwarded += x.shape[0]
         t0 = time.perf_counter()
         if layer not in self.router.routes:
             await self.refresh(range(layer, layer + 1))

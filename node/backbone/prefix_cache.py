@@ -4,7 +4,9 @@ A chat client resends the whole history with one more message; without a cache t
 backbone recomputes (and re-dispatches) every earlier token. Here the KV of each
 finished sequence is kept under its tokens; a new prompt starts from the longest
 common prefix with a cached sequence of the same namespace (a session id, so one
-user's prompts are never timed against another's), and only the rest is prefilled.
+user's prompts are never timed against another's), and only the rest is prefilled
+(the looked-up cache is the ``cache`` that :func:`experts.generate.generate` and
+:func:`experts.speculative.speculative_generate` start from).
 
 Exactness: the forward is batch invariant (:mod:`experts.forward`), so a position's
 keys and values are the same bits whether they were computed in a long prefill, one
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from experts.forward import Backbone, KVCache, MoeFfn
+from experts.forward import KVCache
 
 
 @dataclass
@@ -119,27 +121,3 @@ class PrefixCache:
     def summary(self) -> dict:
         with self._lock:
             return self.stats.summary(len(self._entries), self._bytes)
-
-
-class ResumedBackbone:
-    """The backbone for one request whose prompt's first ``prefix.n_past`` positions are cached.
-
-    :func:`experts.generate.generate` and :func:`experts.speculative.speculative_generate`
-    start from an empty cache and prefill the whole prompt. This stand-in's first forward
-    (that prefill) loads *prefix* into the fresh cache and runs only the rest of the prompt,
-    returning logits for those rows (both generators read only the prefill's last row).
-    Later passes go straight through. ``cache`` is the sequence's cache, for storing it after.
-    """
-
-    def __init__(self, backbone: Backbone, prefix: KVCache) -> None:
-        self.backbone = backbone
-        self.cfg = backbone.cfg
-        self.prefix = prefix
-        self.cache: KVCache | None = None
-
-    def forward(self, tokens: np.ndarray | Sequence[int], cache: KVCache, moe_ffn: MoeFfn) -> np.ndarray:
-        if self.cache is None:
-            self.cache = cache
-            cache.k, cache.v = list(self.prefix.k), list(self.prefix.v)
-            tokens = np.asarray(tokens)[self.prefix.n_past :]
-        return self.backbone.forward(tokens, cache, moe_ffn)

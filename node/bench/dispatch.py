@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from experts.forward import Backbone
+from experts.forward import Backbone, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
@@ -34,7 +34,7 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
         bb = Backbone(model)
         store = ExpertStore(model)
         whole = Partition(((0, cfg.n_expert),))
-        local_hook = lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w)  # noqa: E731
+        local_hook = local_moe(lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w))
         store.warm()
 
         def decode(hook) -> tuple[list[int], float]:

@@ -18,7 +18,7 @@ import click
 
 from experts.codecs import Codec
 from experts.embedded import DEFAULT_PROMPT, EMBEDDED_MODEL
-from experts.forward import Backbone
+from experts.forward import Backbone, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
@@ -88,7 +88,7 @@ async def _run(model: GGUFModel, part: Partition, bootstrap: str, prompt: str, n
         out, elapsed, _ = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream)
         stats = moe.stats.summary()
     store = ExpertStore(model)
-    local = [t for t, _ in generate(bb, ids, n_tokens, lambda i, x, e, w: grouped_moe(store, part, i, x, e, w), stop=stop)]
+    local = [t for t, _ in generate(bb, ids, n_tokens, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)), stop=stop)]
     return {
         "model": str(model.path),
         "model_digest": model.digest,

@@ -18,7 +18,8 @@ from p2p.identity import Identity
 from node.backbone.batching import DEFAULT_WINDOW_S, BatchingMoE
 from node.cli.options import parse_size
 from node.cli.options import bootstrap_opt, data_dir_opt, ready_opt
-from node.gateway.server import Engine, Gateway
+from node.gateway.engine import Engine
+from node.gateway.server import Gateway
 from node.ledger.store import FILENAME
 from node.backbone.prefix_cache import PrefixCache
 from node.runtime import data_dir as node_dir, load_identity, parse_hostport, until_stopped, write_ready

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import click
 
@@ -17,11 +17,12 @@ from experts.tokenizer import StreamDecoder, Tokenizer
 def serial(hook: MoeFfn) -> MoeFfn:
     """*hook* without latency hiding: wait for the routed sum before the forward computes the shared expert."""
 
-    def wait(layer: int, x, ids, w):
-        out = hook(layer, x, ids, w)
-        return out.result() if isinstance(out, Future) else out
+    def waited(layer: int, x, ids, w) -> Future:
+        routed = hook(layer, x, ids, w)
+        wait([routed])  # done before the forward moves on; it reads the sum where it always does
+        return routed
 
-    return wait
+    return waited
 
 
 async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False, overlap: bool = True) -> tuple[list[int], float, SpecStats | None]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from experts.codecs import Codec
-from experts.forward import Backbone, KVCache
+from experts.forward import Backbone, KVCache, local_moe
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.moe import Partition, grouped_moe, partial_sum
 from experts.slices import ExpertStore
@@ -77,7 +77,7 @@ def test_f32_remote_logits_are_bit_identical_to_local_grouping(model_dir, arch):
     remote, moe = asyncio.run(run_remote(model, ranges))
     store = ExpertStore(model)
     part = Partition(tuple(ranges))
-    local = Backbone(model).forward(TOKENS, KVCache(), lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))
+    local = Backbone(model).forward(TOKENS, KVCache(), local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)))
     assert remote.tobytes() == local.tobytes()
     s = moe.stats.summary()
     assert s["failed_dispatches"] == 0 and s["local_groups"] == 0
@@ -128,7 +128,7 @@ def test_f16_wire_stays_within_the_gate(model_dir):
     record_verdict(model.digest, Codec.F16, "pass")
     remote, _ = asyncio.run(run_remote(model, [(0, 6), (6, 12)], codec=Codec.F16))
     store = ExpertStore(model)
-    local = Backbone(model).forward(TOKENS, KVCache(), lambda i, x, e, w: grouped_moe(store, Partition(((0, 6), (6, 12))), i, x, e, w))
+    local = Backbone(model).forward(TOKENS, KVCache(), local_moe(lambda i, x, e, w: grouped_moe(store, Partition(((0, 6), (6, 12))), i, x, e, w)))
     cos = (remote * local).sum(-1) / np.linalg.norm(remote, axis=-1) / np.linalg.norm(local, axis=-1)
     assert cos.min() >= 0.999 and (remote.argmax(-1) == local.argmax(-1)).all()
 
@@ -249,8 +249,8 @@ def test_hot_local_experts_are_exact_and_used(model_dir):
         ref_hot.observe(i, e)
         return out
 
-    local = list(generate(Backbone(model), TOKENS, 24, local_hot))
-    plain = [t for t, _ in generate(Backbone(model), TOKENS, 24, lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))]
+    local = list(generate(Backbone(model), TOKENS, 24, local_moe(local_hot)))
+    plain = [t for t, _ in generate(Backbone(model), TOKENS, 24, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)))]
     assert all(a[1].tobytes() == b[1].tobytes() for a, b in zip(remote, local))
     assert [t for t, _ in remote] == plain
     assert 0 < hot.hit_rate < 1

@@ -10,13 +10,13 @@ import openai
 import pytest
 
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import Backbone
+from experts.forward import Backbone, local_moe
 from experts.generate import Sampling, generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
-from node.gateway.server import CHAT_STOP, render_chat
+from node.gateway.openai import CHAT_STOP, render_chat
 from node.launcher import Cluster
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def local(swarm):
 
     def run(prompt: str, n: int, sampling: Sampling = Sampling(), stops: tuple[str, ...] = ()) -> tuple[str, int]:
         out = []
-        for t, _ in generate(bb, tok.encode(prompt), n, moe, sampling=sampling, stop={tok.eos_id}):
+        for t, _ in generate(bb, tok.encode(prompt), n, local_moe(moe), sampling=sampling, stop={tok.eos_id}):
             out.append(t)
             text = tok.decode([t for t in out if t != tok.eos_id])
             if any(s in text for s in stops):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experts.forward import Backbone, KVCache
+from experts.forward import Backbone, KVCache, local_moe
 from experts.gguf_model import GGUFModel
 from experts.moe import ungrouped_moe
 from experts.slices import ExpertStore
@@ -26,7 +26,7 @@ def test_numpy_forward_matches_llamacpp(model_dir, arch):
     path = make_model(model_dir, arch, n_layer=3, n_expert=16, n_expert_used=4, n_embd=128, n_ff_exp=64, head_dim=32)
     model = GGUFModel(path)
     store = ExpertStore(model)
-    ours = Backbone(model).forward(TOKENS, KVCache(), lambda i, x, e, w: ungrouped_moe(store, i, x, e, w))
+    ours = Backbone(model).forward(TOKENS, KVCache(), local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w)))
     c = compare(ours, llamacpp_logits(path, TOKENS))
     assert c.min_cosine >= 0.99999, c
     assert c.argmax_agree == 1.0, c
@@ -39,7 +39,7 @@ def test_incremental_decoding_matches_one_pass(f32_models, arch):
     model = GGUFModel(f32_models[arch])
     store = ExpertStore(model)
     bb = Backbone(model)
-    hook = lambda i, x, e, w: ungrouped_moe(store, i, x, e, w)  # noqa: E731
+    hook = local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w))
     full = bb.forward(TOKENS, KVCache(), hook)
     cache = KVCache()
     steps = np.concatenate([bb.forward(TOKENS[:5], cache, hook)] + [bb.forward([t], cache, hook) for t in TOKENS[5:]])

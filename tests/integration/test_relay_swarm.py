@@ -10,7 +10,7 @@ import pytest
 import structlog
 
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import Backbone
+from experts.forward import Backbone, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
@@ -37,7 +37,7 @@ def test_relay_only_worker_serves_exactly_and_survives_a_relay_restart(tmp_path)
     store = ExpertStore(model)
     whole = Partition(((0, model.cfg.n_expert),))
     n = 40
-    local = [t for t, _ in generate(Backbone(model), ids, n, lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w))]
+    local = [t for t, _ in generate(Backbone(model), ids, n, local_moe(lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w)))]
     port = free_port()
     with Cluster(tmp_path) as cluster:
         relay = cluster.start("relay", "relay", "--listen", f"127.0.0.1:{port}")

@@ -10,7 +10,7 @@ import structlog
 
 from experts.codecs import Codec
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import Backbone
+from experts.forward import Backbone, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
@@ -37,7 +37,7 @@ def start_workers(cluster: Cluster, model: GGUFModel, boot: str, ranges, names) 
 
 def local_run(model, part, prompt_ids):
     store = ExpertStore(model)
-    return list(generate(Backbone(model), prompt_ids, N_TOKENS, lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)))
+    return list(generate(Backbone(model), prompt_ids, N_TOKENS, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))))
 
 
 async def remote_run(model, boot, prompt_ids, *, codec=Codec.F32, hosts_per_layer=1, on_token=None, timeout=5.0):

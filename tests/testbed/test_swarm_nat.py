@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import Backbone
+from experts.forward import Backbone, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
@@ -32,7 +32,7 @@ def local_tokens(ranges: tuple[tuple[int, int], ...], n: int) -> list[int]:
     model = GGUFModel(EMBEDDED_MODEL)
     store, part = ExpertStore(model), Partition(ranges)
     ids = Tokenizer.from_spec(model.tokenizer_spec).encode(PROMPT)
-    return [t for t, _ in generate(Backbone(model), ids, n, lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))]
+    return [t for t, _ in generate(Backbone(model), ids, n, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)))]
 
 
 def test_direct_relayed_and_punched_workers_generate_exactly_the_local_text(tmp_path):

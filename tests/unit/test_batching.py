@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import Backbone, KVCache
+from experts.forward import Backbone, KVCache, local_moe
 from experts.generate import Sampling, generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
@@ -18,8 +18,8 @@ from experts.slices import ExpertStore
 from experts.speculative import speculative_generate
 from experts.tokenizer import Tokenizer
 from node.backbone.batching import BatchingError, BatchingMoE, LayerBatcher, Phase, affinity_groups
-from node.gateway.server import CHAT_STOP, ApiError, StopMatcher, parse_job, render_chat
-from node.backbone.prefix_cache import PrefixCache, ResumedBackbone
+from node.gateway.openai import CHAT_STOP, ApiError, Finished, Reply, StopMatcher, parse_job, parse_request, render_chat, sse
+from node.backbone.prefix_cache import PrefixCache
 from node.backbone.routing import Router
 from p2p.identity import Identity
 from p2p.records import HostedSlice, HostRecord
@@ -214,7 +214,7 @@ def test_concurrent_sequences_get_the_bits_they_get_alone_with_fewer_dispatches(
     """Six sequences (greedy speculative and sampled) decoded at once through one BatchingMoE equal their solo runs."""
     model, bb, store, tok = embedded
     inner = CountingMoE(store, Partition.even(model.cfg.n_expert, 3))
-    alone = [decode(bb, tok, i, inner) for i in range(len(PROMPTS))]
+    alone = [decode(bb, tok, i, local_moe(inner)) for i in range(len(PROMPTS))]
     solo_calls = inner.calls
     inner.calls = 0
     moe = BatchingMoE(inner, model.cfg.n_layer, loop, window_s=0.005)
@@ -292,16 +292,16 @@ def test_store_keeps_bytes_under_the_budget_least_recently_used_first():
 def test_resuming_from_a_cached_prefix_is_bit_identical(embedded):
     """A chat resent with one more message decodes from the cached KV to the same tokens and logits."""
     model, bb, store, tok = embedded
-    moe = lambda i, x, e, w: grouped_moe(store, Partition.even(model.cfg.n_expert, 2), i, x, e, w)  # noqa: E731
+    moe = local_moe(lambda i, x, e, w: grouped_moe(store, Partition.even(model.cfg.n_expert, 2), i, x, e, w))
     pc = PrefixCache(1 << 24)
     first = tok.encode("User: Who made the heaven?\nAssistant:")
-    r1 = ResumedBackbone(bb, pc.lookup("s", first))
-    out1 = [t for t, _ in generate(r1, first, 8, moe)]
-    pc.store("s", first + out1, r1.cache)
+    cache = pc.lookup("s", first)
+    out1 = [t for t, _ in generate(bb, first, 8, moe, cache=cache)]
+    pc.store("s", first + out1, cache)
     second = first + out1 + tok.encode("\nUser: And the earth?\nAssistant:")
     prefix = pc.lookup("s", second)
     assert prefix.n_past == len(first) + len(out1) - 1  # the last generated token was never fed
-    resumed = list(speculative_generate(ResumedBackbone(bb, prefix), second, 10, moe))
+    resumed = list(speculative_generate(bb, second, 10, moe, cache=prefix))
     full = list(speculative_generate(bb, second, 10, moe))
     assert [(t, r.tobytes()) for t, r in resumed] == [(t, r.tobytes()) for t, r in full]
 
@@ -349,3 +349,29 @@ def test_chat_template_and_request_validation(embedded):
     with pytest.raises(ApiError) as err:
         parse_job({"messages": [{"role": "robot", "content": "x"}]}, chat=True, tok=tok, context_length=512, session=None)
     assert err.value.param == "messages[0].role"
+
+
+def test_requests_name_the_model_and_session_and_replies_take_openai_shapes(embedded):
+    """A request for another model is a 404 and the header beats 'user' as session; bodies, chunks and events are OpenAI's."""
+    _, _, _, tok = embedded
+    with pytest.raises(ApiError) as err:
+        parse_request({"model": "gpt-4", "prompt": "x"}, chat=False, served="m", tok=tok, context_length=512, session_header=None)
+    assert (err.value.status, err.value.param) == (404, "model")
+    body = {"model": "m", "prompt": "x", "user": "u"}
+    assert parse_request(body, chat=False, served="m", tok=tok, context_length=512, session_header="h").session == "h"
+    assert parse_request(body, chat=False, served="m", tok=tok, context_length=512, session_header=None).session == "u"
+    with pytest.raises(ApiError) as err:
+        parse_request({**body, "stream_options": {"include_usage": True}}, chat=False, served="m", tok=tok, context_length=512, session_header=None)
+    assert err.value.param == "stream_options"
+    done = Finished("stop", prompt_tokens=3, completion_tokens=2, cached_tokens=1)
+    chat = Reply.new({"stream": True, "stream_options": {"include_usage": True}}, chat=True, model="m", fingerprint="fp_x")
+    assert chat.id.startswith("chatcmpl-") and chat.head["object"] == "chat.completion.chunk" and chat.head["system_fingerprint"] == "fp_x"
+    assert chat.chunk(None, role=True)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chat.chunk("hi")["choices"][0]["delta"] == {"content": "hi"} and chat.chunk("hi")["usage"] is None
+    assert chat.chunk(None, "stop")["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
+    assert chat.usage_chunk(done)["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 1}}
+    assert chat.body("hello", done)["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
+    text = Reply.new({}, chat=False, model="m", fingerprint="fp_x")
+    assert text.id.startswith("cmpl-") and "usage" not in text.chunk("x") and text.chunk("x")["choices"][0]["text"] == "x"
+    assert text.body("hello", done)["object"] == "text_completion" and text.body("hello", done)["choices"][0]["text"] == "hello"
+    assert sse({"a": 1}) == b'data: {"a":1}\n\n' and sse("[DONE]") == b"data: [DONE]\n\n"

@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 from experts import speculative
 from experts.embedded import EMBEDDED_MODEL
 from experts.errors import ModelFormatError
-from experts.forward import Backbone, KVCache
+from experts.forward import Backbone, KVCache, local_moe
 from experts.generate import Sampling, generate, probabilities
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe, ungrouped_moe
@@ -90,7 +90,7 @@ def kjv():
     model = GGUFModel(EMBEDDED_MODEL)
     store, part = ExpertStore(model), Partition.even(model.cfg.n_expert, 3)
     tok = Tokenizer.from_spec(model.tokenizer_spec)
-    return Backbone(model), (lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)), tok
+    return Backbone(model), local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)), tok
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def tiny(model_dir):
     """A one-layer random qwen2moe with the 265-token byte-level vocabulary."""
     model = GGUFModel(make_model(model_dir, "qwen2moe", n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_expert=4, n_ff_exp=16))
     store = ExpertStore(model)
-    return Backbone(model), (lambda i, x, e, w: ungrouped_moe(store, i, x, e, w))
+    return Backbone(model), local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w))
 
 
 def assert_same(plain, spec):
@@ -160,6 +160,23 @@ def test_stop_on_the_first_token(kjv):
     counting = Counting(bb)
     assert [t for t, _ in speculative_generate(counting, prompt, 20, hook, stop={first})] == [first]
     assert counting.passes == [len(prompt)]
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["generate", "speculative"])
+def test_starting_from_a_cached_prefix_feeds_only_the_rest(kjv, speculate):
+    """Given a cache holding the prompt's first tokens, the prefill feeds only the others and the output keeps every bit."""
+    bb, hook, tok = kjv
+    prompt = tok.encode(PROMPTS[1])
+    run = speculative_generate if speculate else generate
+    cache = KVCache()
+    bb.forward(prompt[:5], cache, hook)
+    counting = Counting(bb)
+    assert_same(list(run(bb, prompt, 12, hook)), list(run(counting, prompt, 12, hook, cache=cache)))
+    assert counting.passes[0] == len(prompt) - 5 and cache.n_past >= len(prompt)
+    whole = KVCache()
+    bb.forward(prompt, whole, hook)
+    with pytest.raises(ValueError, match="at least its last token"):
+        next(run(bb, prompt, 12, hook, cache=whole))
 
 
 def test_context_limit_is_checked_and_never_passed(tiny):

@@ -1,0 +1,189 @@
+"""The gateway's engine: OpenAI jobs decoded as concurrent sequences, no HTTP.
+
+Each job decodes on its own thread with its own KV cache, and the sequences' MoE layers
+go out as one dispatch per layer through a :class:`node.backbone.batching.BatchingMoE`
+(continuous batching): at most ``max_batch`` run, up to ``max_queue`` more wait for a
+slot, and the rest are refused (:class:`QueueFull`).
+
+* Greedy jobs (temperature 0) decode speculatively: the same tokens in fewer passes.
+  Sampled jobs draw from ``generate``'s distribution with their seed: the same seed
+  gives the same text, alone or batched.
+* A repeated prompt prefix (a resent chat history) starts from cached keys/values
+  (:mod:`node.backbone.prefix_cache`), handed to the generator as its starting cache and
+  scoped to the session (jobs without one share an anonymous scope);
+  :attr:`Finished.cached_tokens` says how many positions were reused.
+* The session also pins the hosts its dispatches go to (slot affinity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import structlog
+
+from experts.errors import MoeSwarmError
+from experts.forward import Backbone
+from experts.generate import generate
+from experts.speculative import default_drafter, speculative_generate
+from experts.tokenizer import StreamDecoder, Tokenizer
+from node.backbone.batching import BatchingMoE
+from node.backbone.dispatch import Pins, RemoteMoE
+from node.backbone.prefix_cache import PrefixCache
+from node.gateway.openai import Finished, Job, StopMatcher
+
+log = structlog.get_logger("node.gateway.engine")
+
+MAX_SESSIONS = 4096  # sessions whose host pins are remembered (LRU)
+
+
+class QueueFull(MoeSwarmError):
+    """Every slot is taken and the queue is full: the client should come back later (HTTP 429)."""
+
+
+class Stream:
+    """One request's output as it is produced: text deltas, then a :class:`Finished` (or an exception)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def put(self, item: str | Finished | BaseException) -> None:
+        """From the sequence's thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def cancel(self) -> None:
+        """The client went away: the sequence stops after its current token."""
+        self.cancelled.set()
+
+    async def __aiter__(self) -> AsyncIterator[str | Finished]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, Finished):
+                return
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    active: int = 0
+    waiting: int = 0
+    rejected: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def summary(self) -> dict:
+        return dict(vars(self))
+
+
+class Engine:
+    """Runs jobs as concurrent sequences (at most *max_batch*; up to *max_queue* more wait) over one BatchingMoE."""
+
+    def __init__(self, backbone: Backbone, tok: Tokenizer, moe: BatchingMoE, *, max_batch: int = 8, max_queue: int = 64, prefix_cache: PrefixCache | None = None, speculative: bool = True) -> None:
+        self.backbone, self.tok, self.moe = backbone, tok, moe
+        self.max_queue = max_queue
+        self.prefix_cache = prefix_cache
+        self.speculative = speculative
+        self.drafter = default_drafter(backbone.model)  # the model's n-gram table when one ships beside it
+        self.stats = EngineStats()
+        self._slots = asyncio.Semaphore(max_batch)
+        self._pool = ThreadPoolExecutor(max_batch, thread_name_prefix="sequence")
+        self._pins: OrderedDict[str, Pins] = OrderedDict()
+
+    async def start(self, job: Job) -> Stream:
+        """Wait for a free slot, then start decoding *job* on its own thread."""
+        if self._slots.locked() and self.stats.waiting >= self.max_queue:
+            self.stats.rejected += 1
+            raise QueueFull(f"{self.stats.active} requests are running and {self.stats.waiting} waiting; try again later")
+        self.stats.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.stats.waiting -= 1
+        loop = asyncio.get_running_loop()
+        stream = Stream(loop)
+        self.stats.requests += 1
+        self.stats.active += 1
+        done = loop.run_in_executor(self._pool, self._run, job, stream, self._session_pins(job.session))
+        done.add_done_callback(self._finished)
+        return stream
+
+    def _session_pins(self, session: str | None) -> Pins | None:
+        if session is None or not isinstance(self.moe.inner, RemoteMoE):
+            return None
+        pins = self._pins.setdefault(session, {})
+        self._pins.move_to_end(session)
+        while len(self._pins) > MAX_SESSIONS:
+            self._pins.popitem(last=False)
+        return pins
+
+    def _finished(self, done: asyncio.Future) -> None:
+        self._slots.release()
+        self.stats.active -= 1
+        result = None if done.cancelled() else done.result()  # cancelled: the pool shut down before it ran
+        if isinstance(result, Finished):
+            self.stats.prompt_tokens += result.prompt_tokens
+            self.stats.completion_tokens += result.completion_tokens
+            self.stats.cached_tokens += result.cached_tokens
+        else:
+            self.stats.failed += 1
+
+    def _run(self, job: Job, stream: Stream, pins: Pins | None) -> Finished | Exception:
+        """On the sequence's thread: decode, stream text out, keep the KV for later prompts."""
+        try:
+            result = self._decode(job, stream, pins)
+        except Exception as exc:  # the stream carries it to the client; the engine goes on
+            log.warning("gateway.sequence_failed", error=repr(exc))
+            stream.put(exc)
+            return exc
+        stream.put(result)
+        return result
+
+    def _decode(self, job: Job, stream: Stream, pins: Pins | None) -> Finished:
+        prompt = list(job.prompt)
+        cache = self.prefix_cache.lookup(job.session, prompt) if self.prefix_cache else None
+        cached = cache.n_past if cache is not None else 0  # read now: the generator extends the cache
+        eos = self.tok.eos_id
+        stops, text = StopMatcher(job.stop), StreamDecoder(self.tok)
+        out: list[int] = []
+        finish, hit_stop = "length", False
+        with self.moe.member(pins) as hook:
+            if job.sampling.temperature <= 0 and self.speculative:
+                steps = speculative_generate(self.backbone, prompt, job.max_tokens, hook, sampling=job.sampling, stop={eos}, drafter=self.drafter, cache=cache)
+            else:
+                steps = generate(self.backbone, prompt, job.max_tokens, hook, sampling=job.sampling, stop={eos}, cache=cache)
+            try:
+                for t, _ in steps:
+                    out.append(t)
+                    if t == eos:
+                        finish = "stop"
+                        break
+                    delta, hit_stop = stops.push(text.push(t))
+                    if delta:
+                        stream.put(delta)
+                    if hit_stop:
+                        finish = "stop"
+                        break
+                    if stream.cancelled.is_set():
+                        break
+            finally:
+                steps.close()
+        if not hit_stop and (tail := stops.push(text.flush())[0] + stops.flush()):
+            stream.put(tail)
+        if self.prefix_cache and cache is not None:
+            self.prefix_cache.store(job.session, prompt + out, cache)
+        return Finished(finish, len(prompt), len(out), cached)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
