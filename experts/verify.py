@@ -23,6 +23,7 @@ from .codecs import Codec, roundtrip
 from .errors import CodecError
 from .forward import Backbone, KVCache
 from .gguf_model import GGUFModel
+from .home import moeswarm_home
 from .moe import ExpertSource, Partition, combine, grouped_moe, partial_sum, ungrouped_moe
 from .slices import ExpertStore
 
@@ -119,8 +120,7 @@ def run_gate(model: GGUFModel, codec: Codec, *, groups: int = 3, prompt: str = D
 
 
 def verdict_path() -> Path:
-    home = os.environ.get("MOESWARM_HOME") or Path.home() / ".moeswarm"
-    return Path(home) / "verdicts.json"
+    return moeswarm_home() / "verdicts.json"
 
 
 def _load() -> dict:

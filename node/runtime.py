@@ -8,11 +8,12 @@ import os
 import signal
 from pathlib import Path
 
+from experts.home import moeswarm_home
 from p2p.identity import Identity
 
 
 def data_dir(path: str | None, role: str) -> Path:
-    d = Path(path) if path else Path(os.environ.get("MOESWARM_HOME") or Path.home() / ".moeswarm") / role
+    d = Path(path) if path else moeswarm_home() / role
     d.mkdir(parents=True, exist_ok=True)
     return d
 
