@@ -138,7 +138,3 @@ class PathTable:
             fields["lived"] = round(lived, 3)
         log.info(log_event, **fields)
         return path
-
-    def forget(self, peer: PeerId) -> None:
-        """Drop what we know of a peer that is gone (its backoff too)."""
-        self._peers.pop(peer, None)
