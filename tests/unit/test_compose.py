@@ -1,5 +1,6 @@
-"""docker-compose.yml and the Dockerfiles, checked without a Docker engine (the compose-spec schema and `sh -n` run
-as processes, in tests/integration/test_compose_tools.py): the cross-references that compose itself finds only at `docker compose up`, or never (a wrong peer id, an expert gap).
+"""docker-compose.yml and the Dockerfiles, checked without a Docker engine: the cross-references that compose itself
+finds only at `docker compose up`, or never (a wrong peer id, an expert gap). The compose-spec schema and `sh -n`
+run as processes, in tests/integration/test_compose_tools.py.
 
 Each cross-reference check is a function from the parsed compose file to a list of problems; every one of them
 is also run on a deliberately broken copy, so none of them can pass by checking nothing.
