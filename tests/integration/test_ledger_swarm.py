@@ -7,12 +7,12 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
 
 import pytest
 
 from experts.embedded import EMBEDDED_MODEL
 from node.launcher import Cluster
+from tests.support import until
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "node"]
@@ -68,15 +68,17 @@ def test_backbone_killed_mid_generation_keeps_every_acknowledged_receipt(tmp_pat
                                 "--ledger", str(ledger), "--data-dir", str(tmp_path / "bb"), "In the beginning"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 120
-            seen = 0
-            while seen < 40 and time.monotonic() < deadline and gen.poll() is None:
-                time.sleep(0.2)
-                if ledger.exists():
-                    try:
-                        seen = entry_count(ledger)
-                    except sqlite3.OperationalError:
-                        seen = 0  # table not created yet
+
+            def committed() -> int:
+                if not ledger.exists():
+                    return 0
+                try:
+                    return entry_count(ledger)
+                except sqlite3.OperationalError:
+                    return 0  # table not created yet
+
+            until(lambda: committed() >= 40 or gen.poll() is not None, timeout=120, interval=0.2, what="40 entries")
+            seen = committed()
             assert seen >= 40 and gen.poll() is None, "generation ended or stalled before the kill"
             gen.kill()
             gen.wait()
