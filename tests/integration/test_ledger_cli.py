@@ -13,10 +13,10 @@ from pathlib import Path
 from node.ledger.store import Ledger
 from node.logs import configure_logging
 from p2p.identity import Identity
+from tests.support import moeswarm
 from tests.unit.test_ledger import fill_backbone, make_receipt
 
 ROOT = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "node"]
 
 
 # -- crash safety, in a real process
@@ -62,7 +62,7 @@ def test_entries_acknowledged_before_sigkill_survive(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, "ledger", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    return moeswarm("ledger", *args, cwd=ROOT, timeout=60)
 
 
 def test_cli_show_verify_export(tmp_path, parties):

@@ -6,20 +6,16 @@ import json
 import os
 import sqlite3
 import subprocess
-import sys
+from functools import partial
 
 import pytest
 
 from experts.embedded import EMBEDDED_MODEL
 from node.launcher import Cluster
-from tests.support import until
+from tests.support import MOESWARM, moeswarm, until
 
 pytestmark = pytest.mark.slow
-CLI = [sys.executable, "-m", "node"]
-
-
-def cli(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, env=env)
+cli = partial(moeswarm, timeout=300)
 
 
 def entry_count(path) -> int:
@@ -64,7 +60,7 @@ def test_backbone_killed_mid_generation_keeps_every_acknowledged_receipt(tmp_pat
     with Cluster(tmp_path) as cluster:
         boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
         cluster.start("w", "worker", "--model", str(EMBEDDED_MODEL), "--bootstrap", boot).wait_ready()
-        gen = subprocess.Popen([*CLI, "backbone", "generate", "--model", str(EMBEDDED_MODEL), "--bootstrap", boot, "--tokens", "400",
+        gen = subprocess.Popen([*MOESWARM, "backbone", "generate", "--model", str(EMBEDDED_MODEL), "--bootstrap", boot, "--tokens", "400",
                                 "--ledger", str(ledger), "--data-dir", str(tmp_path / "bb"), "In the beginning"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

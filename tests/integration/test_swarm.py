@@ -21,7 +21,7 @@ from experts.verify import record_verdict
 from node.launcher import Cluster
 from node.backbone.session import backbone_session, wait_for_hosts
 from p2p.identity import Identity
-from tests.support import until
+from tests.support import MOESWARM, until
 
 pytestmark = pytest.mark.slow
 N_TOKENS = 32
@@ -120,10 +120,9 @@ def test_demo_stops_every_process_on_ctrl_c(tmp_path):
     """SIGINT to `moeswarm demo` while it runs leaves no node process behind."""
     import signal
     import subprocess
-    import sys
 
     work = tmp_path / "demo"
-    p = subprocess.Popen([sys.executable, "-m", "node", "demo", "--tokens", "400", "--workdir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen([*MOESWARM, "demo", "--tokens", "400", "--workdir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     until(lambda: len(list(work.glob("worker*.ready.json"))) >= 3, timeout=60, interval=0.2, what="3 workers ready")
     assert len(list(work.glob("worker*.ready.json"))) == 3
     children = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()

@@ -1,14 +1,25 @@
-"""Waiting on node processes started with :class:`node.launcher.Cluster`: by what they log, never by a sleep.
+"""Running `moeswarm` as a real process, and waiting on node processes by what they log, never by a sleep.
 
-A node's log file (``NodeProcess.log_file``) is appended to across restarts, so ``log_offset`` marks where a
-restart begins and ``wait_for_log`` looks only past it.
+Long-running nodes are started with :class:`node.launcher.Cluster` (it waits for their ready files and always stops
+them); one-shot commands go through ``moeswarm``. A node's log file (``NodeProcess.log_file``) is appended to across
+restarts, so ``log_offset`` marks where a restart begins and ``wait_for_log`` looks only past it.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.support.polling import until
+
+
+MOESWARM = [sys.executable, "-m", "node"]  # the `moeswarm` command of this checkout's interpreter, for Popen
+
+
+def moeswarm(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``moeswarm ARGS`` to completion, capturing text output (``kwargs`` go to ``subprocess.run``)."""
+    return subprocess.run([*MOESWARM, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
 def log_offset(path: Path) -> int:

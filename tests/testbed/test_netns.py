@@ -18,7 +18,7 @@ import pytest
 
 from node.testbed import DelayDaemonDied, Testbed, list_netns, stale, teardown
 from node.testbed.netns import state_file
-from tests.support import until
+from tests.support import MOESWARM, until
 
 from .conftest import why_no_testbed
 
@@ -351,7 +351,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-CLI = [sys.executable, "-m", "node", "testbed"]
+CLI = [*MOESWARM, "testbed"]
 
 
 def test_cli_up_run_down():
