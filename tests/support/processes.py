@@ -13,13 +13,12 @@ from pathlib import Path
 
 from tests.support.polling import until
 
-
 MOESWARM = [sys.executable, "-m", "node"]  # the `moeswarm` command of this checkout's interpreter, for Popen
 
 
 def moeswarm(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
     """Run ``moeswarm ARGS`` to completion, capturing text output (``kwargs`` go to ``subprocess.run``)."""
-    return subprocess.run([*MOESWARM, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+    return subprocess.run([*MOESWARM, *args], capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
 
 
 def log_offset(path: Path) -> int:
@@ -47,7 +46,9 @@ def wait_for_log(path: Path, *needles: str, timeout: float, since: int = 0, inte
         return next((line for line in _lines(path, since) if all(n in line for n in needles)), None)
 
     try:
-        return until(found, timeout=timeout, interval=interval)
+        line = until(found, timeout=timeout, interval=interval)
     except AssertionError:
         tail = "\n".join(_lines(path, since)[-30:])
         raise AssertionError(f"no line with {needles} in {path} after {timeout:.0f} s:\n{tail}") from None
+    assert line is not None  # until returns only a truthy value
+    return line

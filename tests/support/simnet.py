@@ -11,8 +11,19 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 Address = tuple[str, int]
+
+
+class Node(Protocol):
+    """What a host on the network is: it takes datagrams and has at most one timer."""
+
+    def deliver(self, data: bytes, src: Any, now: float) -> None: ...
+
+    def timer(self) -> float | None: ...
+
+    def fire(self, now: float) -> None: ...
 
 
 @dataclass
@@ -46,7 +57,7 @@ class Net:
     def __init__(self, latency: float = 0.01) -> None:
         self.now = 0.0
         self.latency = latency
-        self.nodes: dict[Address, object] = {}
+        self.nodes: dict[Address, Node] = {}
         self.nat_of: dict[Address, Nat | None] = {}
         self.nats: dict[str, Nat] = {}
         self.drop: Callable[[Address, Address, bytes], bool] = lambda src, dst, data: False
@@ -54,7 +65,7 @@ class Net:
         self._queue: list = []
         self._seq = itertools.count()
 
-    def add(self, addr: Address, node: object, nat: Nat | None = None) -> None:
+    def add(self, addr: Address, node: Node, nat: Nat | None = None) -> None:
         self.nodes[addr] = node
         self.nat_of[addr] = nat
         if nat is not None:
@@ -77,7 +88,7 @@ class Net:
         """Deliver datagrams and fire node timers in time order up to ``until``."""
         while True:
             timers = [(t, addr) for addr, node in self.nodes.items() if (t := node.timer()) is not None]
-            next_timer = min(timers, default=(float("inf"), None))
+            next_timer: tuple[float, Address | None] = min(timers, default=(float("inf"), None))
             next_packet = self._queue[0][0] if self._queue else float("inf")
             at = min(next_timer[0], next_packet)
             if at > until:
@@ -89,4 +100,5 @@ class Net:
                 self.delivered += 1
                 self.nodes[target].deliver(data, seen, self.now)
             else:
+                assert next_timer[1] is not None  # a finite next_timer came from a node
                 self.nodes[next_timer[1]].fire(self.now)

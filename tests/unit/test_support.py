@@ -6,7 +6,15 @@ import asyncio
 
 import pytest
 
-from tests.support import FakeClock, async_poll, async_until, log_offset, run_bounded, until, wait_for_log
+from tests.support import (
+    FakeClock,
+    async_poll,
+    async_until,
+    log_offset,
+    run_bounded,
+    until,
+    wait_for_log,
+)
 
 
 def test_until_returns_the_first_truthy_value():
