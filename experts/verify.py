@@ -20,14 +20,7 @@ from .codecs import Codec, roundtrip
 from .errors import CodecError
 from .forward import Backbone, KVCache, local_moe
 from .gguf_model import GGUFModel
-from .moe import (
-    ExpertSource,
-    Partition,
-    combine,
-    grouped_moe,
-    partial_sum,
-    ungrouped_moe,
-)
+from .moe import ExpertSource, Partition, combine, grouped_moe, partial_sum, ungrouped_moe
 from .slices import ExpertStore
 
 MIN_COSINE = 0.999

@@ -8,12 +8,8 @@ import os
 import signal
 from pathlib import Path
 
+from experts.home import moeswarm_home
 from p2p.identity import Identity
-
-
-def moeswarm_home() -> Path:
-    """Where nodes keep keys, ledgers and verdicts unless told otherwise: $MOESWARM_HOME or ~/.moeswarm."""
-    return Path(os.environ.get("MOESWARM_HOME") or Path.home() / ".moeswarm")
 
 
 def data_dir(path: str | None, role: str) -> Path:

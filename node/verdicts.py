@@ -14,7 +14,7 @@ from pathlib import Path
 
 from experts.codecs import Codec
 from experts.errors import CodecError
-from node.runtime import moeswarm_home
+from experts.home import moeswarm_home
 
 
 def verdict_path() -> Path:

@@ -560,18 +560,3 @@ class LibP2PDiscovery:
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         return await asyncio.wrap_future(self._thread.submit(fn, *args))
-
-
-async def run_bootstrap(
-    identity: Identity,
-    listen: str,
-    *,
-    bootstrap: Sequence[str] = (),
-    on_ready: Callable[[list[str]], None] | None = None,
-) -> None:
-    """Run a plain DHT server (announcing nothing) until cancelled; on_ready gets its multiaddrs."""
-    async with LibP2PDiscovery(identity, listen=listen, bootstrap=bootstrap) as node:
-        log.info("dht.bootstrap_ready", addrs=node.multiaddrs)
-        if on_ready is not None:
-            on_ready(node.multiaddrs)
-        await asyncio.Event().wait()

@@ -49,7 +49,6 @@ from p2p.natwire import (
     Address,
     FrameError,
     InvalidField,
-    RateLimiter,
     Reader,
     SignedCodec,
     Truncated,
@@ -59,6 +58,7 @@ from p2p.natwire import (
     read_addrs,
 )
 from p2p.paths import Backoff, PathEvent, PathState, PathTable
+from p2p.ratelimit import RateLimiter
 from p2p.reachability import NatKind, Verdict
 
 MAGIC = b"\x0dHP"

@@ -15,7 +15,6 @@ not know decodes to ``Unknown``; anything malformed raises a ``FrameError`` subc
 
 from __future__ import annotations
 
-import collections
 import ipaddress
 import struct
 from collections.abc import Iterable
@@ -208,20 +207,3 @@ class SignedCodec:
             raise InvalidField(f"{cls.__name__}: {exc}") from None
         r.finish()
         return sender, frame
-
-
-class RateLimiter:
-    """Token buckets by key (``rate`` per second, up to ``burst``), at most ``max_keys`` remembered (LRU)."""
-
-    def __init__(self, rate: float, burst: float, max_keys: int = 4096) -> None:
-        self.rate, self.burst, self.max_keys = rate, burst, max_keys
-        self._buckets: collections.OrderedDict[object, tuple[float, float]] = collections.OrderedDict()
-
-    def allow(self, key: object, now: float) -> bool:
-        tokens, at = self._buckets.pop(key, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - at) * self.rate)
-        allowed = tokens >= 1.0
-        self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)
-        if len(self._buckets) > self.max_keys:
-            self._buckets.popitem(last=False)
-        return allowed

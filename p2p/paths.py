@@ -25,6 +25,7 @@ from enum import StrEnum
 
 import structlog
 
+from p2p import backoff
 from p2p.identity import PeerId
 from p2p.natwire import Address
 
@@ -70,18 +71,14 @@ class InvalidTransition(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Backoff:
+class Backoff(backoff.Backoff):
     """When to punch again: ``first * factor**(failures-1)`` capped at ``cap`` after failures; ``skip`` after a
     skip (our or the peer's NAT may change, so skipping is not forever)."""
 
     first: float = 30.0
-    factor: float = 2.0
     cap: float = 1800.0
-    skip: float = 600.0
     stable_after: float = 300.0  # a direct path that lived this long was no failure
-
-    def delay(self, failures: int) -> float:
-        return min(self.cap, self.first * self.factor ** max(0, min(failures - 1, 64)))
+    skip: float = 600.0
 
 
 @dataclass
@@ -127,9 +124,9 @@ class PathTable:
         if retry is Retry.SKIP:
             path.retry_at = now + self.backoff.skip
         elif retry is Retry.GROW:
-            stable = previous is PathState.DIRECT and lived >= self.backoff.stable_after
+            stable = previous is PathState.DIRECT and self.backoff.lasted(lived)
             path.failures = 1 if stable else path.failures + 1
-            path.retry_at = now + self.backoff.delay(path.failures)
+            path.retry_at = now + self.backoff.delay(path.failures - 1)
         path.direct = direct if target is PathState.DIRECT else None
         path.state, path.since, path.reason = target, now, reason
         fields = {"peer": str(peer), "from_state": str(previous), "to_state": str(target), "reason": reason}
@@ -141,7 +138,3 @@ class PathTable:
             fields["lived"] = round(lived, 3)
         log.info(log_event, **fields)
         return path
-
-    def forget(self, peer: PeerId) -> None:
-        """Drop what we know of a peer that is gone (its backoff too)."""
-        self._peers.pop(peer, None)

@@ -34,6 +34,7 @@ from typing import ClassVar, Self
 
 import structlog
 
+from p2p.backoff import Backoff
 from p2p.identity import Identity, PeerId
 from p2p.natwire import (
     HEADER,
@@ -43,13 +44,13 @@ from p2p.natwire import (
     Frame,
     FrameError,
     InvalidField,
-    RateLimiter,
     Reader,
     SignedCodec,
     check_nonce,
     encode_addr,
     encode_ip,
 )
+from p2p.ratelimit import RateLimiter
 
 MIN_REQUEST = 176  # requests are padded to this: no reply or probe they cause is larger
 MAX_AVOID = 8
@@ -355,6 +356,7 @@ class Reachability:
         self._total = RateLimiter(config.serve_rate, config.serve_burst, max_keys=1)
         self._per_source = RateLimiter(config.source_rate, config.source_burst)
         self._per_target = RateLimiter(config.source_rate, config.source_burst)  # probes sent to one IP
+        self._retransmit = Backoff(first=config.rto)  # uncapped: ``attempts`` bounds it
 
     # --- asking ---------------------------------------------------------------------------------------------
 
@@ -401,7 +403,7 @@ class Reachability:
                 self._dial_backs.append(DialBackResult(p.peer, p.helper, Outcome.FAILED, now, detail))
             elif p.attempts < self.config.attempts:
                 p.attempts += 1
-                p.due = now + self.config.rto * 2 ** (p.attempts - 1)
+                p.due = now + self._retransmit.delay(p.attempts - 1)
                 out.append(Send(p.addr, p.data))
             else:
                 del self._pending[nonce]

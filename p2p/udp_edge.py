@@ -76,10 +76,6 @@ class EndpointTap:
         """The addresses of ``peer``'s verified, open connections (direct ones are IPs, relayed ones are not)."""
         return self.endpoint.paths(peer)
 
-    def primary(self, peer: PeerId) -> Address | None:
-        """Where requests to ``peer`` go now."""
-        return self.endpoint.connections().get(peer)
-
     def relayed_peers(self) -> list[PeerId]:
         """Peers whose requests go through a relay."""
         return [peer for peer, addr in self.endpoint.connections().items() if addr and not is_ip(addr[0])]

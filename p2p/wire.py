@@ -86,6 +86,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Self
 
+from experts.codecs import Codec  # one enum for the codecs and the wire's codec byte
+
 from .wire_fields import (
     MAX_MESSAGE, BadCodec, ErrorCode, InvalidField, ProtocolError, Reader, TooLarge, Truncated, UnsupportedVersion, as_wire, bytes_field,
     count_field, enum_field, int_field, set_frozen,
@@ -129,14 +131,6 @@ class MsgType(IntEnum):
     ERROR_REPLY = 5
     PING = 6
     PONG = 7
-
-
-class Codec(IntEnum):
-    """How a payload's floats are encoded (the codecs themselves live in ``experts/``)."""
-
-    F32 = 0
-    F16 = 1
-    INT8 = 2
 
 
 class Role(IntEnum):

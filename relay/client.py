@@ -27,6 +27,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.typing import Subprotocol
 
+from p2p import backoff
 from p2p.identity import Identity, PeerId
 
 from .protocol import MAX_FRAME, SUBPROTOCOL, SendPacket
@@ -54,17 +55,14 @@ class RelayUnavailable(TimeoutError):
 
 
 @dataclass(frozen=True)
-class Backoff:
+class Backoff(backoff.Backoff):
     """Delays between reconnection attempts: ``first * factor**n`` capped at ``cap``, each scaled by a random
     factor in [0.5, 1] so that clients cut off together do not come back together."""
 
     first: float = 0.1
-    factor: float = 2.0
     cap: float = 10.0
+    jitter: float = 0.5
     stable_after: float = 5.0  # a connection that lasted this long resets the delay to ``first``
-
-    def delay(self, attempt: int, rng: random.Random) -> float:
-        return min(self.cap, self.first * self.factor ** min(attempt, 64)) * rng.uniform(0.5, 1.0)
 
 
 class RelayClient:
@@ -168,7 +166,7 @@ class RelayClient:
                 log.info("relay.connect_failed", url=self.url, error=f"{type(exc).__name__}: {exc}")
             except Exception:  # a bug must not end reconnection silently: log it loudly and keep trying
                 log.exception("relay.client_failed", url=self.url)
-            if loop.time() - started >= self._backoff.stable_after:
+            if self._backoff.lasted(loop.time() - started):
                 attempt = 0
             delay = self._backoff.delay(attempt, self._rng)
             attempt += 1

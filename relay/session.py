@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from p2p.identity import Identity, PeerId
+from p2p.ratelimit import TokenBucket
 
 from .protocol import (
     MAX_TEXT,
@@ -177,25 +178,6 @@ class Closed:
 
 
 Event = Send | Authenticated | Forward | Dropped | PacketReceived | PeerDeparted | Notice | Closed
-
-
-@dataclass
-class TokenBucket:
-    """``rate`` tokens per second, at most ``burst`` saved up; starts full."""
-
-    rate: float
-    burst: float
-    tokens: float
-    updated: float
-
-    @classmethod
-    def full(cls, rate: float, burst: float, now: float) -> TokenBucket:
-        return cls(rate, burst, burst, now)
-
-    def refill(self, now: float) -> None:
-        if now > self.updated:
-            self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
-            self.updated = now
 
 
 class _Session:

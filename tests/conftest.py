@@ -9,6 +9,7 @@ import gguf
 import pytest
 
 from experts.random_model import random_config, write_random_model
+from p2p.identity import Identity
 
 ARCHS = ("qwen2moe", "qwen3moe", "llama")
 Q = gguf.GGMLQuantizationType
@@ -18,6 +19,12 @@ Q = gguf.GGMLQuantizationType
 def _isolated_home(tmp_path, monkeypatch):
     """Verdicts and keys written by a test stay in that test's directory."""
     monkeypatch.setenv("MOESWARM_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture
+def parties():
+    """Three fresh identities for ledger tests: a backbone and two workers."""
+    return Identity.generate(), Identity.generate(), Identity.generate()  # backbone, worker 1, worker 2
 
 
 def make_model(directory: Path, arch: str, qtype=Q.F32, seed: int = 0, **shape) -> Path:

@@ -56,6 +56,7 @@ import numpy as np
 import structlog
 
 from experts.forward import MoeCompute, MoeFfn
+from experts.rows import split_rows
 from node.backbone.dispatch import Pins, RemoteMoE
 
 log = structlog.get_logger("node.backbone.batching")
@@ -319,12 +320,9 @@ class BatchingMoE:
                 if (mine := self._pins.get(m)) is not None:
                     mine.update(pins)
         due = self.core.answered(members, self.loop.time())  # phases first: a woken sequence's next call sees them
-        start = 0
-        for c in calls:
-            n = c.x.shape[0]
+        for c, rows in zip(calls, split_rows(out, [c.x.shape[0] for c in calls]), strict=True):
             if not c.future.done():
-                c.future.set_result(out[start : start + n])
-            start += n
+                c.future.set_result(rows)
         self._launch(due)
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from experts.moe import Partition
+from p2p.backoff import Backoff
 from p2p.identity import PeerId
 from p2p.records import HostRecord, RelayAddress
 
 DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones
 EWMA = 0.2
-BACKOFF_S = (1.0, 60.0)
+BENCH = Backoff(first=1.0, cap=60.0)  # seconds a failed host gets no work, doubling per consecutive failure
 SIMILAR_RTT = 1.25  # replicas whose expected waits differ by less than this factor compete on price
 
 
@@ -140,6 +141,6 @@ class Router:
         h = self.health[peer]
         h.inflight -= 1
         h.failures += 1
-        wait = min(BACKOFF_S[0] * 2 ** (h.failures - 1), BACKOFF_S[1])
+        wait = BENCH.delay(h.failures - 1)
         h.benched_until = now + wait
         return wait

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from experts.codecs import Codec
+from p2p.backoff import Backoff
 
 MIN_COSINE = 0.999
-BAN_S = (60.0, 3600.0)
+BAN = Backoff(first=60.0, cap=3600.0)  # seconds a caught worker is banned, doubling per offence
 
 
 @dataclass(frozen=True)
@@ -60,4 +61,4 @@ class SpotChecker:
         """Seconds to ban *peer* after its n-th caught mismatch: 60 s, doubling, at most an hour."""
         n = self._offences.get(peer, 0) + 1
         self._offences[peer] = n
-        return min(BAN_S[0] * 2 ** (n - 1), BAN_S[1])
+        return BAN.delay(n - 1)

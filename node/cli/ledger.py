@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from experts.home import moeswarm_home
 from node.cli.root import emit_json
 from node.ledger.store import FILENAME, Ledger, LedgerError, Role
 
@@ -21,7 +21,7 @@ def find_ledger(path: str | None, role: str | None) -> Path:
     """--ledger if given, else the backbone or worker ledger under $MOESWARM_HOME (~/.moeswarm)."""
     if path:
         return Path(path)
-    home = Path(os.environ.get("MOESWARM_HOME") or Path.home() / ".moeswarm")
+    home = moeswarm_home()
     if role:
         return home / role / FILENAME
     found = [home / r / FILENAME for r in Role if (home / r / FILENAME).is_file()]

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
+from tests.support import moeswarm
+
 from ..conftest import make_model
 
-CLI = [sys.executable, "-m", "node"]
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+run = moeswarm
 
 
 def assert_one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:

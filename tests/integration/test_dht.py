@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -22,6 +22,7 @@ import trio
 from p2p.dht import LibP2PDiscovery
 from p2p.identity import Identity, PeerId
 from p2p.records import HostedSlice, HostRecord, RelayAddress, issue, sign, value_key
+from tests.support import async_poll, run_bounded
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = hashlib.sha256(b"dht-test-model").hexdigest()
@@ -31,22 +32,7 @@ FOUND_WITHIN = 15.0
 REFRESHING_TTL = 4  # seconds; w2 re-signs every 2 s
 
 
-def run(coro: Awaitable[Any], timeout: float = 45.0) -> Any:
-    async def bounded() -> Any:
-        async with asyncio.timeout(timeout):
-            return await coro
-
-    return asyncio.run(bounded())
-
-
-async def eventually(probe: Callable[[], Awaitable[Any]], accept: Callable[[Any], bool], within: float) -> Any:
-    """Poll probe() until accept(result) or the deadline; return the last result for the assertion."""
-    deadline = time.monotonic() + within
-    while True:
-        result = await probe()
-        if accept(result) or time.monotonic() > deadline:
-            return result
-        await asyncio.sleep(0.2)
+run = partial(run_bounded, timeout=45.0)
 
 
 def peers(records: list[HostRecord]) -> set[PeerId]:
@@ -123,7 +109,7 @@ def test_announced_slices_are_found_by_model_and_layer(swarm: Swarm):
     async def check() -> None:
         for layer, want in expected.items():
             probe = partial(swarm.lookup.lookup, MODEL, layer)
-            found = await eventually(probe, lambda r, want=want: peers(r) == want, FOUND_WITHIN)
+            found = await async_poll(probe, lambda r, want=want: peers(r) == want, FOUND_WITHIN)
             assert peers(found) == want, f"layer {layer}"
             for record in found:
                 assert record.hosted in swarm.slices[record.peer_id]
@@ -243,7 +229,7 @@ def test_withdrawn_worker_disappears_from_lookups(swarm: Swarm):
     w1, w2, w3 = (w.peer_id for w in swarm.workers)
 
     async def check() -> None:
-        before = await eventually(partial(swarm.lookup.lookup, MODEL, 2), lambda r: peers(r) == {w3}, FOUND_WITHIN)
+        before = await async_poll(partial(swarm.lookup.lookup, MODEL, 2), lambda r: peers(r) == {w3}, FOUND_WITHIN)
         assert peers(before) == {w3}
         await swarm.workers[2].withdraw()
         assert await swarm.lookup.lookup(MODEL, 2) == []
@@ -261,7 +247,7 @@ def test_more_than_ten_slices_from_one_worker_are_all_found(swarm: Swarm):
         found = await asyncio.gather(*(swarm.lookup.lookup(BIG_MODEL, layer) for layer in range(BIG_LAYERS)))
         return {layer for layer, records in enumerate(found) if peers(records) == {swarm.big.peer_id}}
 
-    assert run(eventually(layers_found, lambda got: len(got) == BIG_LAYERS, FOUND_WITHIN)) == set(range(BIG_LAYERS))
+    assert run(async_poll(layers_found, lambda got: len(got) == BIG_LAYERS, FOUND_WITHIN)) == set(range(BIG_LAYERS))
 
 
 def test_client_mode_worker_stays_out_of_routing_tables(swarm: Swarm):
@@ -283,8 +269,9 @@ def test_records_are_refreshed_before_they_expire(swarm: Swarm):
     async def check() -> None:
         first = await w2_record()
         assert first is not None
+        # Not a synchronisation: the behaviour under test is what a lookup finds once this real-clock TTL has run out.
         await asyncio.sleep(max(0.0, first.expires_at + 0.5 - time.time()))
-        later = await eventually(w2_record, lambda r: r is not None, 5.0)
+        later = await async_poll(w2_record, lambda r: r is not None, 5.0)
         assert later is not None and later.seq > first.seq and later.expires_at > first.expires_at
 
     run(check())

@@ -25,6 +25,7 @@ from p2p.discovery import InMemoryBoard, InMemoryDiscovery
 from p2p.identity import Identity
 from p2p.quic import Endpoint
 from p2p.records import HostedSlice
+from tests.support import async_until
 
 from ..conftest import make_model
 
@@ -206,8 +207,7 @@ def test_concurrent_backbones_are_batched_into_one_compute_call(model_dir):
             reqs.append((x, ids, w, msg.encode()))
         try:
             tasks = [asyncio.create_task(clients[i % 2].request(wep.local_addr, ident.peer_id, r[3], timeout=20)) for i, r in enumerate(reqs)]
-            while sum(len(v) for v in worker._pending.values()) < len(reqs) - 1:
-                await asyncio.sleep(0.01)
+            await async_until(lambda: sum(len(v) for v in worker._pending.values()) >= len(reqs) - 1, timeout=20, interval=0.01)
             gate.set()
             replies = [wire.decode(r) for r in await asyncio.gather(*tasks)]
             return reqs, replies, worker.stats

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,6 +17,7 @@ from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.gateway.openai import CHAT_STOP, render_chat
 from node.launcher import Cluster
+from tests.support import until
 
 pytestmark = pytest.mark.slow
 MODEL = "embedded"
@@ -167,8 +167,7 @@ def test_a_client_that_leaves_mid_stream_stops_its_sequence(swarm, client):
     before = stats(swarm)["requests"]
     with client.completions.create(model=MODEL, prompt="And God said", max_tokens=400, temperature=0.7, seed=1, stream=True) as s:
         next(iter(s))
-    deadline = time.monotonic() + 60
-    while (now := stats(swarm)["requests"])["active"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    until(lambda: not stats(swarm)["requests"]["active"], timeout=60, interval=0.1, what="the sequence ended")
+    now = stats(swarm)["requests"]
     assert now["active"] == 0 and now["requests"] == before["requests"] + 1
     assert now["completion_tokens"] - before["completion_tokens"] < 100

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -11,17 +10,18 @@ from p2p.dht import LibP2PDiscovery
 from p2p.helpers import NodeReachability, serve_helper
 from p2p.identity import Identity
 from p2p.quic import Endpoint
+from tests.support import async_poll
 
 pytestmark = pytest.mark.timeout(90)
 
 
 async def until_found(node: LibP2PDiscovery, want: set[str], within: float = 20.0) -> set[str]:
-    deadline = time.monotonic() + within
-    while True:
-        found = {str(r.quic_addr) for r in await node.lookup_helpers()}
-        if found == want or time.monotonic() > deadline:
-            return found
-        await asyncio.sleep(0.2)
+    """The helper addresses ``node`` finds, polled until they are ``want`` (or ``within`` s pass)."""
+
+    async def found() -> set[str]:
+        return {str(r.quic_addr) for r in await node.lookup_helpers()}
+
+    return await async_poll(found, lambda got: got == want, within)
 
 
 def test_helpers_announced_in_the_dht_are_found_and_answer_probes():

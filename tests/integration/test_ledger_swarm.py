@@ -6,20 +6,16 @@ import json
 import os
 import sqlite3
 import subprocess
-import sys
-import time
+from functools import partial
 
 import pytest
 
 from experts.embedded import EMBEDDED_MODEL
 from node.launcher import Cluster
+from tests.support import MOESWARM, moeswarm, until
 
 pytestmark = pytest.mark.slow
-CLI = [sys.executable, "-m", "node"]
-
-
-def cli(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, env=env)
+cli = partial(moeswarm, timeout=300)
 
 
 def entry_count(path) -> int:
@@ -64,19 +60,21 @@ def test_backbone_killed_mid_generation_keeps_every_acknowledged_receipt(tmp_pat
     with Cluster(tmp_path) as cluster:
         boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
         cluster.start("w", "worker", "--model", str(EMBEDDED_MODEL), "--bootstrap", boot).wait_ready()
-        gen = subprocess.Popen([*CLI, "backbone", "generate", "--model", str(EMBEDDED_MODEL), "--bootstrap", boot, "--tokens", "400",
+        gen = subprocess.Popen([*MOESWARM, "backbone", "generate", "--model", str(EMBEDDED_MODEL), "--bootstrap", boot, "--tokens", "400",
                                 "--ledger", str(ledger), "--data-dir", str(tmp_path / "bb"), "In the beginning"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 120
-            seen = 0
-            while seen < 40 and time.monotonic() < deadline and gen.poll() is None:
-                time.sleep(0.2)
-                if ledger.exists():
-                    try:
-                        seen = entry_count(ledger)
-                    except sqlite3.OperationalError:
-                        seen = 0  # table not created yet
+
+            def committed() -> int:
+                if not ledger.exists():
+                    return 0
+                try:
+                    return entry_count(ledger)
+                except sqlite3.OperationalError:
+                    return 0  # table not created yet
+
+            until(lambda: committed() >= 40 or gen.poll() is not None, timeout=120, interval=0.2, what="40 entries")
+            seen = committed()
             assert seen >= 40 and gen.poll() is None, "generation ended or stalled before the kill"
             gen.kill()
             gen.wait()

@@ -16,9 +16,9 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from relay.protocol import (
 )
 from relay.server import RelayLimits, RelayServer, tls_context
 from relay.session import SessionLimits
+from tests.support import async_until, run_bounded, until
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
@@ -52,12 +53,7 @@ FAST = Backoff(first=0.05, cap=0.5)
 pytestmark = pytest.mark.timeout(60)
 
 
-def run(coro: Awaitable[Any], timeout: float = 30.0) -> Any:
-    async def bounded() -> Any:
-        async with asyncio.timeout(timeout):
-            return await coro
-
-    return asyncio.run(bounded())
+run = partial(run_bounded, timeout=30.0)
 
 
 @asynccontextmanager
@@ -109,12 +105,6 @@ async def http_get(port: int, path: str, tls: ssl.SSLContext | None = None) -> t
     return int(head.split()[1]), body
 
 
-async def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.02)
-
-
 async def echo_with_caller(peer: PeerId, data: bytes) -> bytes:
     return str(peer).encode() + b"|" + data
 
@@ -148,7 +138,7 @@ def test_forged_logins_are_refused_and_the_real_peer_keeps_its_id() -> None:
                 with pytest.raises(ConnectionClosed):
                     await ws.recv()
                 assert ws.close_code == 1008
-            await eventually(lambda: server.stats.refused == 2)
+            await async_until(lambda: server.stats.refused == 2)
             assert set(server.clients()) == {victim.peer_id, sender.peer_id}
             sender.send(victim.peer_id, b"still yours")
             assert await inbox.get() == (sender.peer_id, b"still yours")
@@ -209,7 +199,7 @@ def test_client_cap_answers_503() -> None:
                 await login(server.url, Identity.generate())
             assert info.value.response.status_code == 503
             await first.close()
-            await eventually(lambda: len(server.clients()) == 1)
+            await async_until(lambda: len(server.clients()) == 1)
             third, answer = await login(server.url, Identity.generate())
             assert answer == ServerAuthOk()
             await second.close()
@@ -355,7 +345,7 @@ def test_a_thousand_malformed_frames_leave_honest_clients_served(caplog: pytest.
             stop.set()
             exchanged = await traffic
             assert exchanged > 0
-            await eventually(lambda: set(server.clients()) == {a.peer_id, b.peer_id})
+            await async_until(lambda: set(server.clients()) == {a.peer_id, b.peer_id})
             async with clients(server.url, 1) as [(late, late_in)]:
                 a.send(late.peer_id, b"welcome")
                 assert await late_in.get() == (a.peer_id, b"welcome")
@@ -383,11 +373,12 @@ def test_a_receiver_that_does_not_read_costs_a_bounded_queue() -> None:
             for i in range(1500):  # 24 MB: far beyond every buffer on the way
                 a.send(sleeper_id, packet)
                 if i % 16 == 0:
+                    # Not a synchronisation: pacing the flood so the relay reads it while we sample its queue.
                     await asyncio.sleep(0.002)
                     worst = max(worst, server.queued(sleeper_id))
                 if server.stats.dropped["queue_full"] > 20:
                     break
-            await eventually(lambda: server.stats.dropped["queue_full"] > 20)
+            await async_until(lambda: server.stats.dropped["queue_full"] > 20)
             assert worst[0] <= 32 and worst[1] <= 256 << 10
             assert server.queued(sleeper_id)[1] <= 256 << 10
             c.send(d.peer_id, b"unaffected")
@@ -409,7 +400,7 @@ def test_relay_restart_clients_reconnect_and_quic_works_again() -> None:
                 assert (await caller.request(vaddr, serving.peer_id, b"1", timeout=10)).endswith(b"|1")
                 links = [s_path.client, c_path.client]
                 await first.close()
-                await eventually(lambda: not any(link.connected for link in links))
+                await async_until(lambda: not any(link.connected for link in links))
                 async with relay(identity, port=port) as second:
                     for link in links:
                         await link.wait_connected(10)
@@ -476,10 +467,8 @@ def test_relay_command_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
            "--ready-file", str(ready)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "relay exited or never became ready"
-            time.sleep(0.05)
+        until(lambda: ready.exists() or proc.poll() is not None, timeout=20, what="relay ready or exited")
+        assert ready.exists(), "relay exited or never became ready"
         info = json.loads(ready.read_text())
         assert info["peer_id"] == str(Identity.load_or_create(tmp_path / "d" / "key.pem").peer_id)
         port = int(info["url"].rsplit(":", 1)[1].split("/")[0])

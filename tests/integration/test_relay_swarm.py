@@ -19,6 +19,7 @@ from experts.tokenizer import Tokenizer
 from node.launcher import Cluster
 from node.backbone.session import backbone_session, wait_for_hosts
 from p2p.identity import Identity
+from tests.support import log_offset, wait_for_log
 
 pytestmark = pytest.mark.slow
 
@@ -46,19 +47,24 @@ def test_relay_only_worker_serves_exactly_and_survives_a_relay_restart(tmp_path)
         info = cluster.start("nat", "worker", "--model", str(model.path), "--bootstrap", boot, "--relay", url, "--relay-only").wait_ready()
         assert info["quic_addr"] is None
         marks: dict[str, float] = {}
+        backbone_id = Identity.generate()
 
         def chaos(i: int) -> None:
             if i == 8:
                 relay.kill()
                 marks["killed"] = time.monotonic()
             elif i == 20:
+                restart = log_offset(relay.log_file)
                 relay.start()
                 relay.wait_ready()
                 marks["back"] = time.monotonic()
-                time.sleep(3)  # the worker's relay client reconnects with backoff
+                # The worker's and the backbone's relay clients reconnect with backoff: wait until the new relay
+                # has registered both.
+                for peer in (info["peer_id"], str(backbone_id.peer_id)):
+                    wait_for_log(relay.log_file, "relay.client_connected", f"peer={peer}", since=restart, timeout=60)
 
         async def run():
-            async with backbone_session(Identity.generate(), model, [boot], timeout=1.0) as moe:
+            async with backbone_session(backbone_id, model, [boot], timeout=1.0) as moe:
                 await wait_for_hosts(moe, model.layers, 1, 60)
 
                 def go():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from node.verdicts import record_verdict
 from node.launcher import Cluster
 from node.backbone.session import backbone_session, wait_for_hosts
 from p2p.identity import Identity
+from tests.support import MOESWARM, until
 
 pytestmark = pytest.mark.slow
 N_TOKENS = 32
@@ -116,22 +118,29 @@ def test_replica_killed_mid_generation_then_found_again(model, tmp_path):
 
 def test_demo_stops_every_process_on_ctrl_c(tmp_path):
     """SIGINT to `moeswarm demo` while it runs leaves no node process behind."""
-    import os
     import signal
     import subprocess
-    import sys
-    import time
 
     work = tmp_path / "demo"
-    p = subprocess.Popen([sys.executable, "-m", "node", "demo", "--tokens", "400", "--workdir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(list(work.glob("worker*.ready.json"))) < 3:
-        time.sleep(0.2)
+    p = subprocess.Popen([*MOESWARM, "demo", "--tokens", "400", "--workdir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    until(lambda: len(list(work.glob("worker*.ready.json"))) >= 3, timeout=60, interval=0.2, what="3 workers ready")
     assert len(list(work.glob("worker*.ready.json"))) == 3
     children = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True).stdout.split()
     assert len(children) >= 4  # bootstrap + 3 workers
     p.send_signal(signal.SIGINT)
     p.wait(60)
-    time.sleep(0.5)
-    left = [pid for pid in children if os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()]
-    assert left == []
+
+    def left() -> list[str]:
+        """The node processes still running (a zombie has exited; a vanished /proc entry too)."""
+        alive = []
+        for pid in children:
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except FileNotFoundError:
+                continue
+            if "zombie" not in status:
+                alive.append(pid)
+        return alive
+
+    until(lambda: not left(), timeout=5, what="every node process gone after the demo exited")
+    assert left() == []

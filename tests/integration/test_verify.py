@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from experts.codecs import Codec
 from experts.errors import CodecError
 from node.verdicts import require_verified
+
+from tests.support import moeswarm
 
 from ..conftest import make_model
 
@@ -21,7 +21,7 @@ RVL = {"max_abs_diff", "min_cosine", "argmax_agree", "positions", "bit_identical
 
 def verify(*args: str, env_home) -> tuple[int, dict]:
     env = {**os.environ, "MOESWARM_HOME": str(env_home)}
-    p = subprocess.run([sys.executable, "-m", "node", "verify", *args, "--json"], capture_output=True, text=True, timeout=300, env=env)
+    p = moeswarm("verify", *args, "--json", timeout=300, env=env)
     lines = [line for line in p.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, p.stdout + p.stderr
     return p.returncode, json.loads(lines[0])

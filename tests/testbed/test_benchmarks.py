@@ -7,10 +7,10 @@ tokens, nothing failed, the star check saw layers fanned out to all three worker
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from tests.support import moeswarm as run_moeswarm
 
 from .conftest import why_no_testbed
 
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(why_no_testbed() is not None, reason=why_no_test
 
 
 def moeswarm(*args: str, timeout: float = 900) -> dict:
-    p = subprocess.run([sys.executable, "-m", "node", *args], capture_output=True, text=True, timeout=timeout)
+    """`moeswarm ARGS` run to success; its JSON output."""
+    p = run_moeswarm(*args, timeout=timeout)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout)
 

@@ -18,6 +18,7 @@ import pytest
 
 from node.testbed import DelayDaemonDied, Testbed, list_netns, stale, teardown
 from node.testbed.netns import state_file
+from tests.support import MOESWARM, until
 
 from .conftest import why_no_testbed
 
@@ -96,7 +97,7 @@ def punch(a: socket.socket, a_public: tuple[str, int], b: socket.socket, b_publi
     while not all(heard.values()) and time.monotonic() < deadline:
         a.sendto(b"punch", b_public)
         b.sendto(b"punch", a_public)
-        time.sleep(0.02)
+        time.sleep(0.02)  # not a synchronisation: the punch itself is a send every 20 ms until both hear the other
         for sock, peer in ((a, b_public), (b, a_public)):
             try:
                 while True:
@@ -240,10 +241,7 @@ def test_killed_delay_daemon_stops_its_link():
         rtt(worker, echo)
         os.kill(tb.delay_pids["router-a"], signal.SIGKILL)
         with pytest.raises(DelayDaemonDied, match="router-a"):
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                tb.check()
-                time.sleep(0.02)
+            until(lambda: tb.check() and False, timeout=5, interval=0.02, what="check() raising for the dead daemon")
         for _ in range(3):
             worker.sendto(b"anyone", echo.addr)
         assert recv_within(worker, 1.0) is None
@@ -295,7 +293,7 @@ from node.testbed import Testbed
 configure_logging("warning")
 with Testbed(rtt_ms=20) as tb:
     print(tb.prefix, flush=True)
-    time.sleep(60)
+    time.sleep(60)  # not a synchronisation: the owner holds its testbed until the test interrupts it
 """
 
 
@@ -353,7 +351,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-CLI = [sys.executable, "-m", "node", "testbed"]
+CLI = [*MOESWARM, "testbed"]
 
 
 def test_cli_up_run_down():

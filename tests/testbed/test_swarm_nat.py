@@ -19,6 +19,7 @@ from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.launcher import Cluster
+from tests.support import wait_for_log
 
 from .conftest import why_no_testbed
 
@@ -81,22 +82,9 @@ def test_a_port_forward_makes_a_nat_worker_public_and_it_is_reannounced(tmp_path
         for rule in (["-t", "nat", "-A", "PREROUTING", "-i", "wan", "-p", "udp", "--dport", str(QUIC_PORT), "-j", "DNAT", "--to-destination", f"{lan}:{QUIC_PORT}"],
                      ["-I", "FORWARD", "-i", "wan", "-o", "lan", "-p", "udp", "-d", lan, "--dport", str(QUIC_PORT), "-j", "ACCEPT"]):  # fmt: skip
             tb.run("router-a", "iptables", *rule, check=True)
-        announced = wait_for_log(worker.log_file, "worker.readvertised", 60)
+        announced = wait_for_log(worker.log_file, "worker.readvertised", timeout=60)
         assert f"quic={wan}:{QUIC_PORT}" in announced and "reachability=public" in announced
         result = swarm.generate("bb", PROMPT, 12, "--wait-hosts", "2", "--wire", "f32", "--no-speculative")
     assert result["token_ids"] == local_tokens(ranges, 12)
     assert result["paths"][info["peer_id"]] == {"direct": result["per_peer"][info["peer_id"]]}
     assert result["failed_dispatches"] == 0
-
-
-def wait_for_log(path, event: str, timeout: float) -> str:
-    """The first log line of `path` with `event`, waiting up to `timeout` seconds."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = next((line for line in path.read_text(errors="replace").splitlines() if event in line), None)
-        if line:
-            return line
-        time.sleep(0.2)
-    raise AssertionError(f"no {event} in {path} after {timeout:.0f} s:\n{path.read_text(errors='replace')[-2000:]}")

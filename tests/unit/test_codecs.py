@@ -51,3 +51,10 @@ def test_int8_zero_rows_and_f16_overflow_behave():
     data[0:2] = np.float16(np.inf).tobytes()
     with pytest.raises(CodecError, match="non-finite"):
         decode(Codec.INT8, bytes(data), 1, 32)
+
+
+def test_the_wire_codec_byte_is_the_codecs_enum():
+    """p2p.wire carries experts.codecs.Codec itself, not a second enum that could drift."""
+    from p2p import wire
+
+    assert wire.Codec is Codec

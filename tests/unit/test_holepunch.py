@@ -32,7 +32,8 @@ from p2p.identity import PeerId
 from p2p.natwire import FrameError
 from p2p.paths import TRANSITIONS, Backoff, InvalidTransition, PathEvent, PathState, PathTable
 from p2p.reachability import NatKind, Verdict
-from tests.unit.test_reachability import NONCE, Nat, Net, fixed_identity
+from tests.support.simnet import Nat, Net
+from tests.unit.test_reachability import NONCE, fixed_identity
 
 ALICE, BOB, CAROL = fixed_identity(1), fixed_identity(2), fixed_identity(3)
 A_PUB, B_PUB = ("203.0.113.1", 40000), ("203.0.113.2", 40000)

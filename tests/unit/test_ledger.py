@@ -1,16 +1,14 @@
-"""Paid-work ledger: hash chain, signatures, tamper evidence, replay refusal, totals, export, crash safety, CLI."""
+"""Paid-work ledger in memory and on disk: hash chain, signatures, tamper evidence, replay refusal, totals, export.
+
+Crash safety and the CLI run real processes: tests/integration/test_ledger_cli.py."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
-import os
 import shutil
-import signal
 import sqlite3
-import subprocess
-import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,13 +20,11 @@ from node.ledger.store import (
     COLUMNS, GENESIS, ChainChecker, ChainError, DispatchRef, Entry, EntryError, Event, Kind, Ledger, LedgerError,
     ReplayError, Role, Status, TransitionError, countersign, decode_row, ref_of, verify_countersignature,
 )  # fmt: skip
-from node.logs import configure_logging
 from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, sign, work_units
 from p2p.identity import Identity
+from tests.support import FakeClock
 
-ROOT = Path(__file__).resolve().parents[2]
 DIGEST = "ab" * 32
-CLI = [sys.executable, "-m", "node"]
 
 
 def make_receipt(worker: Identity, backbone: Identity, i: int, price: int = 2) -> tuple[Receipt, ReceiptStamp]:
@@ -41,23 +37,10 @@ def make_receipt(worker: Identity, backbone: Identity, i: int, price: int = 2) -
     return r, sign(worker, r)
 
 
-class Clock:
-    def __init__(self, t: float = 1_700_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def parties():
-    return Identity.generate(), Identity.generate(), Identity.generate()  # backbone, worker 1, worker 2
-
-
 def fill_backbone(path: Path, backbone, w1, w2, clock=None) -> list[Receipt]:
     """7 entries: receipts 0-2 of w1 and 3-4 of w2 accepted, receipt 1 disputed, receipt 3 paid."""
     receipts = [make_receipt(w1 if i < 3 else w2, backbone, i, price=2 if i < 3 else 5) for i in range(5)]
-    with Ledger(path, "backbone", backbone, clock=clock or Clock()) as led:
+    with Ledger(path, "backbone", backbone, clock=clock or FakeClock(1_700_000_000.0)) as led:
         for r, stamp in receipts:
             led.append_receipt(r, stamp)
         led.append_batch([Event.disputed(ref_of(receipts[1][0]), "spot check mismatch"), Event.paid(ref_of(receipts[3][0]), "batch 7")])
@@ -279,7 +262,7 @@ def test_status_changes_follow_the_transition_table(tmp_path, parties):
 def test_disputed_receipts_earn_nothing_and_totals_filter(tmp_path, parties):
     """Totals per worker count a dispute as disputed with no credit; --peer and --since narrow them."""
     backbone, w1, w2 = parties
-    clock = Clock(1000.0)
+    clock = FakeClock(1000.0)
     path = tmp_path / "b.sqlite"
     rs = fill_backbone(path, backbone, w1, w2, clock)
     wu = [r.work_units for r in rs]
@@ -290,7 +273,7 @@ def test_disputed_receipts_earn_nothing_and_totals_filter(tmp_path, parties):
         assert (t2.dispatches, t2.disputed, t2.credits) == (2, 0, 5 * (wu[3] + wu[4]))
         assert led.totals(peer=str(w2.peer_id)) == [t2]
         assert led.totals(since=1000.5) == []
-    clock.t = 2000.0
+    clock.now = 2000.0
     late = make_receipt(w2, backbone, 50)
     with Ledger(path, "backbone", backbone, clock=clock) as led:
         led.append_receipt(*late)
@@ -395,90 +378,3 @@ def test_decode_row_never_crashes(row):
         decode_row(row)
     except EntryError:
         pass
-
-
-# -- crash safety, in a real process
-
-
-def crash_child(path: str) -> None:
-    """Append receipts forever, printing each acknowledged seq and dispatch id (run in a child process)."""
-    configure_logging("warning")  # stdout carries only acknowledgements
-    backbone = Identity.load_or_create(Path(path).parent / "backbone.pem")
-    worker = Identity.generate()
-    with Ledger(path, "backbone", backbone) as led:
-        for i in range(1_000_000):
-            entry = led.append_receipt(*make_receipt(worker, backbone, i))
-            print(entry.seq, entry.event.ref.dispatch_id, flush=True)
-
-
-def test_entries_acknowledged_before_sigkill_survive(tmp_path):
-    """A writer SIGKILLed mid-loop leaves a ledger that verifies and holds every entry it acknowledged."""
-    path = tmp_path / "led" / "ledger.sqlite"
-    path.parent.mkdir()
-    code = f"from tests.unit.test_ledger import crash_child; crash_child({str(path)!r})"
-    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    acked = []
-    try:
-        while len(acked) < 40:
-            line = child.stdout.readline()
-            assert line, "the writer died before acknowledging 40 entries"
-            acked.append(line.split())
-        os.kill(child.pid, signal.SIGKILL)
-        acked += [line.split() for line in child.stdout]  # acknowledged before the kill landed
-    finally:
-        child.kill()
-        child.wait()
-        child.stdout.close()
-    assert child.returncode == -signal.SIGKILL
-    with Ledger(path) as led:
-        assert led.verify().ok
-        stored = {(str(e.seq), e.event.ref.dispatch_id) for e in led.entries()}
-        assert set(map(tuple, acked)) <= stored and len(stored) in (len(acked), len(acked) + 1)
-
-
-# -- the command line, in real processes
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, "ledger", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
-
-
-def test_cli_show_verify_export(tmp_path, parties):
-    """show --json totals, verify ok, export to files; the default path is $MOESWARM_HOME/backbone/ledger.sqlite."""
-    backbone, w1, w2 = parties
-    path = Path(os.environ["MOESWARM_HOME"]) / "backbone" / "ledger.sqlite"
-    rs = fill_backbone(path, backbone, w1, w2)
-    shown = run_cli("show", "--json")
-    assert shown.returncode == 0, shown.stderr
-    out = json.loads(shown.stdout)
-    assert out["total_dispatches"] == 5 and out["role"] == "backbone" and out["owner"] == str(backbone.peer_id)
-    peers = {p["peer_id"]: p for p in out["peers"]}
-    assert peers[str(w1.peer_id)] == {"peer_id": str(w1.peer_id), "role": "worker", "dispatches": 3,
-                                      "work_units": rs[0].work_units + rs[2].work_units,
-                                      "credits": 2 * (rs[0].work_units + rs[2].work_units), "disputed": 1}  # fmt: skip
-    table = run_cli("show", "--peer", str(w2.peer_id), "--since", "2023-11-14T00:00:00Z", "--ledger", str(path))
-    assert table.returncode == 0 and str(w2.peer_id) in table.stdout and str(w1.peer_id) not in table.stdout
-    ok = run_cli("verify")
-    assert ok.returncode == 0 and ok.stdout.startswith("ok: 7 entries"), ok
-    for fmt in ("csv", "jsonl"):
-        done = run_cli("export", "--format", fmt, "-o", str(tmp_path / f"out.{fmt}"))
-        assert done.returncode == 0 and "exported 7 entries" in done.stderr
-    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 7 == len((tmp_path / "out.csv").read_text().splitlines()) - 1
-
-
-def test_cli_verify_names_the_first_bad_entry_and_errors_are_one_line(tmp_path, parties):
-    """A tampered ledger exits 1 naming the entry; a missing file or non-ledger is one error line, no traceback."""
-    backbone, w1, w2 = parties
-    path = tmp_path / "b.sqlite"
-    fill_backbone(path, backbone, w1, w2)
-    con = sqlite3.connect(path)
-    con.execute("UPDATE entries SET price = 1 WHERE seq = 4")
-    con.commit()
-    con.close()
-    bad = run_cli("verify", "--ledger", str(path))
-    assert bad.returncode == 1 and bad.stdout.strip().startswith("entry 4: ") and len(bad.stdout.splitlines()) == 1
-    (tmp_path / "notes.txt").write_text("hello " * 100)
-    for target, message in ((tmp_path / "missing.sqlite", "no ledger at"), (tmp_path / "notes.txt", "not a moeswarm ledger")):
-        err = run_cli("show", "--ledger", str(target))
-        assert err.returncode == 2 and message in err.stderr and len(err.stderr.splitlines()) == 1, err
-        assert "Traceback" not in err.stderr

@@ -33,6 +33,7 @@ from p2p.records import (
     sign,
     value_key,
 )
+from tests.support import FakeClock, async_until
 
 MODEL = hashlib.sha256(b"model-a").hexdigest()
 OTHER_MODEL = hashlib.sha256(b"model-b").hexdigest()
@@ -318,16 +319,16 @@ def test_in_memory_discovery_announce_lookup_withdraw():
 
     async def scenario() -> None:
         board = InMemoryBoard()
-        clock = [NOW]
-        alice = InMemoryDiscovery(ALICE, board, ttl=60, clock=lambda: clock[0])
-        bob = InMemoryDiscovery(BOB, board, ttl=600, clock=lambda: clock[0])
+        clock = FakeClock(NOW)
+        alice = InMemoryDiscovery(ALICE, board, ttl=60, clock=clock)
+        bob = InMemoryDiscovery(BOB, board, ttl=600, clock=clock)
         await alice.announce([hosted(layer=1)])
         await bob.announce([hosted(layer=1, ranges=((8, 16),)), hosted(layer=2)])
         assert [h.peer_id for h in await alice.lookup(MODEL, 1)] == sorted([ALICE.peer_id, BOB.peer_id])
         await bob.withdraw()
         assert [h.peer_id for h in await alice.lookup(MODEL, 1)] == [ALICE.peer_id]
         assert await alice.lookup(MODEL, 2) == []
-        clock[0] += 61
+        clock.advance(61)
         assert await bob.lookup(MODEL, 1) == []
 
     asyncio.run(scenario())
@@ -362,21 +363,21 @@ def test_cached_discovery_shares_lookups_and_refreshes_in_background():
     """Concurrent lookups share one backend call; a fresh entry is served from memory, a half-stale one is refreshed."""
 
     async def scenario() -> None:
-        clock = [NOW]
-        inner = _CountingDiscovery(ALICE, InMemoryBoard(), clock=lambda: clock[0])
-        cached = CachedDiscovery(inner, ttl=10, clock=lambda: clock[0])
+        clock = FakeClock(NOW)
+        inner = _CountingDiscovery(ALICE, InMemoryBoard(), clock=clock)
+        cached = CachedDiscovery(inner, ttl=10, clock=clock)
         await inner.announce([hosted(layer=1)])
         inner.gate.clear()
         waiting = [asyncio.create_task(cached.lookup(MODEL, 1)) for _ in range(5)]
-        await asyncio.sleep(0)
+        await async_until(lambda: inner.lookups == 1, what="the shared backend lookup has begun")
         inner.gate.set()
         results = await asyncio.gather(*waiting)
         assert inner.lookups == 1 and all(len(r) == 1 for r in results)
-        clock[0] += 4
+        clock.advance(4)
         assert len(await cached.lookup(MODEL, 1)) == 1 and inner.lookups == 1
-        clock[0] += 2  # past refresh_after (ttl / 2): answered from memory, refreshed behind
+        clock.advance(2)  # past refresh_after (ttl / 2): answered from memory, refreshed behind
         assert len(await cached.lookup(MODEL, 1)) == 1
-        await asyncio.sleep(0.01)
+        await async_until(lambda: inner.lookups >= 2, what="the background refresh")
         assert inner.lookups == 2
         await cached.lookup(MODEL, 1, fresh=True)
         assert inner.lookups == 3
@@ -389,12 +390,12 @@ def test_cached_discovery_drops_records_that_expire_while_cached():
     """A cached answer never contains a record past its expiry."""
 
     async def scenario() -> None:
-        clock = [NOW]
-        inner = InMemoryDiscovery(ALICE, InMemoryBoard(), ttl=5, clock=lambda: clock[0])
-        cached = CachedDiscovery(inner, ttl=30, clock=lambda: clock[0])
+        clock = FakeClock(NOW)
+        inner = InMemoryDiscovery(ALICE, InMemoryBoard(), ttl=5, clock=clock)
+        cached = CachedDiscovery(inner, ttl=30, clock=clock)
         await inner.announce([hosted(layer=1)])
         assert len(await cached.lookup(MODEL, 1)) == 1
-        clock[0] += 5
+        clock.advance(5)
         assert await cached.lookup(MODEL, 1) == []
 
     asyncio.run(scenario())

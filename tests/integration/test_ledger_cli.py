@@ -1,0 +1,106 @@
+"""The ledger in real processes: a writer SIGKILLed mid-loop keeps what it acknowledged; `moeswarm ledger` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from node.ledger.store import Ledger
+from node.logs import configure_logging
+from p2p.identity import Identity
+from tests.support import moeswarm
+from tests.unit.test_ledger import fill_backbone, make_receipt
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- crash safety, in a real process
+
+
+def crash_child(path: str) -> None:
+    """Append receipts forever, printing each acknowledged seq and dispatch id (run in a child process)."""
+    configure_logging("warning")  # stdout carries only acknowledgements
+    backbone = Identity.load_or_create(Path(path).parent / "backbone.pem")
+    worker = Identity.generate()
+    with Ledger(path, "backbone", backbone) as led:
+        for i in range(1_000_000):
+            entry = led.append_receipt(*make_receipt(worker, backbone, i))
+            print(entry.seq, entry.event.ref.dispatch_id, flush=True)
+
+
+def test_entries_acknowledged_before_sigkill_survive(tmp_path):
+    """A writer SIGKILLed mid-loop leaves a ledger that verifies and holds every entry it acknowledged."""
+    path = tmp_path / "led" / "ledger.sqlite"
+    path.parent.mkdir()
+    code = f"from tests.integration.test_ledger_cli import crash_child; crash_child({str(path)!r})"
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    acked = []
+    try:
+        while len(acked) < 40:
+            line = child.stdout.readline()
+            assert line, "the writer died before acknowledging 40 entries"
+            acked.append(line.split())
+        os.kill(child.pid, signal.SIGKILL)
+        acked += [line.split() for line in child.stdout]  # acknowledged before the kill landed
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    with Ledger(path) as led:
+        assert led.verify().ok
+        stored = {(str(e.seq), e.event.ref.dispatch_id) for e in led.entries()}
+        assert set(map(tuple, acked)) <= stored and len(stored) in (len(acked), len(acked) + 1)
+
+
+# -- the command line, in real processes
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return moeswarm("ledger", *args, cwd=ROOT, timeout=60)
+
+
+def test_cli_show_verify_export(tmp_path, parties):
+    """show --json totals, verify ok, export to files; the default path is $MOESWARM_HOME/backbone/ledger.sqlite."""
+    backbone, w1, w2 = parties
+    path = Path(os.environ["MOESWARM_HOME"]) / "backbone" / "ledger.sqlite"
+    rs = fill_backbone(path, backbone, w1, w2)
+    shown = run_cli("show", "--json")
+    assert shown.returncode == 0, shown.stderr
+    out = json.loads(shown.stdout)
+    assert out["total_dispatches"] == 5 and out["role"] == "backbone" and out["owner"] == str(backbone.peer_id)
+    peers = {p["peer_id"]: p for p in out["peers"]}
+    assert peers[str(w1.peer_id)] == {"peer_id": str(w1.peer_id), "role": "worker", "dispatches": 3,
+                                      "work_units": rs[0].work_units + rs[2].work_units,
+                                      "credits": 2 * (rs[0].work_units + rs[2].work_units), "disputed": 1}  # fmt: skip
+    table = run_cli("show", "--peer", str(w2.peer_id), "--since", "2023-11-14T00:00:00Z", "--ledger", str(path))
+    assert table.returncode == 0 and str(w2.peer_id) in table.stdout and str(w1.peer_id) not in table.stdout
+    ok = run_cli("verify")
+    assert ok.returncode == 0 and ok.stdout.startswith("ok: 7 entries"), ok
+    for fmt in ("csv", "jsonl"):
+        done = run_cli("export", "--format", fmt, "-o", str(tmp_path / f"out.{fmt}"))
+        assert done.returncode == 0 and "exported 7 entries" in done.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 7 == len((tmp_path / "out.csv").read_text().splitlines()) - 1
+
+
+def test_cli_verify_names_the_first_bad_entry_and_errors_are_one_line(tmp_path, parties):
+    """A tampered ledger exits 1 naming the entry; a missing file or non-ledger is one error line, no traceback."""
+    backbone, w1, w2 = parties
+    path = tmp_path / "b.sqlite"
+    fill_backbone(path, backbone, w1, w2)
+    con = sqlite3.connect(path)
+    con.execute("UPDATE entries SET price = 1 WHERE seq = 4")
+    con.commit()
+    con.close()
+    bad = run_cli("verify", "--ledger", str(path))
+    assert bad.returncode == 1 and bad.stdout.strip().startswith("entry 4: ") and len(bad.stdout.splitlines()) == 1
+    (tmp_path / "notes.txt").write_text("hello " * 100)
+    for target, message in ((tmp_path / "missing.sqlite", "no ledger at"), (tmp_path / "notes.txt", "not a moeswarm ledger")):
+        err = run_cli("show", "--ledger", str(target))
+        assert err.returncode == 2 and message in err.stderr and len(err.stderr.splitlines()) == 1, err
+        assert "Traceback" not in err.stderr
