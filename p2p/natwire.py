@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, Self
 
+from experts.errors import RemoteProtocolError
 from p2p.identity import Identity, IdentityError, PeerId
 
 Address = tuple[str, int]
@@ -36,7 +37,7 @@ MAX_FRAME = 512  # every frame of both protocols is far smaller; checked before 
 FRAME_MARK = 0x0D  # first byte of every frame: 00xxxxxx is never a QUIC packet (fixed bit 0x40)
 
 
-class FrameError(ValueError):
+class FrameError(RemoteProtocolError):
     """Bytes that are not an acceptable frame; the subclass says why."""
 
 

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from experts.errors import RemoteProtocolError
 from p2p.identity import Identity, IdentityError, PeerId
 
 NAMESPACE = "moeswarm"
@@ -58,7 +59,7 @@ _HELPER_TAIL = struct.Struct(">QQQ")  # issued_at, expires_at, seq
 _HEX = frozenset("0123456789abcdef")
 
 
-class RecordError(ValueError):
+class RecordError(RemoteProtocolError):
     """A record (or its DHT key) is not acceptable; the subclass says why."""
 
 

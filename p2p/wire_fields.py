@@ -10,6 +10,8 @@ import struct
 from enum import IntEnum
 from typing import ClassVar
 
+from experts.errors import RemoteProtocolError
+
 MAX_MESSAGE = 64 * 1024 * 1024  # header included
 
 
@@ -26,7 +28,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 8
 
 
-class ProtocolError(ValueError):
+class ProtocolError(RemoteProtocolError):
     """A message breaks this protocol. ``field`` names the part at fault; ``error_code`` is the code to answer with.
 
     Raised by ``decode`` when a peer sends such bytes, and by the constructors when local code builds such a value.

@@ -26,6 +26,7 @@ import structlog
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
+from experts.errors import MoeSwarmError
 from p2p.identity import Identity, PeerId
 
 from .protocol import MAX_FRAME, SUBPROTOCOL, SendPacket
@@ -48,7 +49,7 @@ PacketHandler = Callable[[PeerId, bytes], None]
 log = structlog.get_logger("relay.client")
 
 
-class RelayUnavailable(TimeoutError):
+class RelayUnavailable(MoeSwarmError, TimeoutError):
     """The relay did not accept us within the caller's timeout."""
 
 

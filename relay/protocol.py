@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Self
 
+from experts import errors
+from experts.errors import MoeSwarmError
 from p2p.identity import PeerId
 
 SUBPROTOCOL = "moeswarm-relay.v1"  # the WebSocket subprotocol (an HTTP token): versions the whole frame set
@@ -43,15 +45,15 @@ MAX_TEXT = 256  # bytes of UTF-8 in Refused / Health / Error
 MAX_FRAME = 1 + KEY_SIZE + MAX_PACKET  # the largest frame of any type, checked before decoding
 
 
-class RelayError(Exception):
-    """Base of every relay protocol error."""
+class RelayError(MoeSwarmError):
+    """Base of every relay protocol error (a session's ``error`` is one, from either side)."""
 
 
-class LocalProtocolError(RelayError):
+class LocalProtocolError(RelayError, errors.LocalProtocolError):
     """This side misused the protocol API (a bad field size, sending before authentication, ...)."""
 
 
-class RemoteProtocolError(RelayError):
+class RemoteProtocolError(RelayError, errors.RemoteProtocolError):
     """The other side broke the protocol."""
 
 

@@ -54,6 +54,7 @@ from itertools import count
 import numpy as np
 import structlog
 
+from experts.errors import LocalProtocolError
 from experts.forward import MoeFfn
 
 from node.backbone.dispatch import Pins, RemoteMoE
@@ -87,7 +88,7 @@ class Batch:
     members: list[Hashable] = field(default_factory=list)  # arrival order: the order of rows in the dispatch
 
 
-class BatchingError(Exception):
+class BatchingError(LocalProtocolError):
     """A member called out of turn (a layer other than the next one of its forward pass)."""
 
 
