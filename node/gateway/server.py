@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
+from experts.errors import MoeSwarmError
 from experts.forward import Backbone
 from experts.generate import Sampling, generate
 from experts.speculative import default_drafter, speculative_generate
@@ -60,7 +61,7 @@ MAX_SESSIONS = 4096  # sessions whose host pins are remembered (LRU)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-class ApiError(Exception):
+class ApiError(MoeSwarmError):
     """A request the gateway refuses, with the HTTP status and OpenAI error fields to answer with."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str = "invalid_request_error") -> None:
@@ -69,6 +70,10 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# What a client learns of a 500: the exception text may hold paths, peer ids or prompts, so it stays in the log.
+INTERNAL_ERROR = ApiError(500, "internal error: the server could not complete this request; its log has the details", type="server_error")
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -421,9 +426,9 @@ class Gateway:
         except web.HTTPException as exc:  # unknown path, wrong method, body too large
             err = ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=exc.reason.lower().replace(" ", "_"))
             return web.json_response(err.body(), status=exc.status)
-        except Exception as exc:
-            log.warning("gateway.request_failed", path=request.path, error=repr(exc))
-            return web.json_response(ApiError(500, f"internal error: {exc}", type="server_error").body(), status=500)
+        except Exception as exc:  # a bug or a failed dispatch: the traceback goes to our log, not to the client
+            log.error("gateway.request_failed", path=request.path, exc_info=exc)
+            return web.json_response(INTERNAL_ERROR.body(), status=500)
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moeswarm"}
@@ -522,8 +527,8 @@ class Gateway:
             except ConnectionResetError:
                 raise
             except Exception as exc:  # the status line is gone: report in the stream, as OpenAI does
-                log.warning("gateway.stream_failed", error=repr(exc))
-                await resp.write(_sse(ApiError(500, f"internal error: {exc}", type="server_error").body()))
+                log.error("gateway.stream_failed", id=head["id"], exc_info=exc)
+                await resp.write(_sse(INTERNAL_ERROR.body()))
             await resp.write(_sse("[DONE]"))
             await resp.write_eof()
         except ConnectionResetError:  # the client left; the caller cancels the sequence
