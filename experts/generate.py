@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import UsageError
 from .forward import Backbone, KVCache, MoeFfn
+
+
+class PromptError(UsageError, ValueError):
+    """A request that cannot be generated: an empty prompt, or more tokens than the model's context holds.
+
+    Also a ValueError, as it was before the shared hierarchy: callers and tests catch it as one.
+    """
 
 
 @dataclass(frozen=True)
@@ -47,10 +55,10 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
 def check_request(backbone: Backbone, prompt: list[int], max_tokens: int) -> None:
     """Reject a request before any forward pass: empty prompt, or more tokens than the context holds."""
     if not prompt:
-        raise ValueError("the prompt must hold at least one token")
+        raise PromptError("the prompt must hold at least one token; give a non-empty prompt")
     limit = backbone.cfg.context_length
     if len(prompt) + max_tokens > limit:
-        raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the model's context of {limit}")
+        raise PromptError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the model's context of {limit}; ask for fewer tokens")
 
 
 def generate(

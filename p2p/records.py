@@ -97,20 +97,26 @@ class RelayAddress:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not isinstance(self.peer_id, PeerId):
             raise MalformedRecord("a relay address needs a URL string and the relay's PeerId")
-        raw = self.url.encode("utf-8", "surrogatepass")
-        if not 0 < len(raw) <= MAX_RELAY_URL_BYTES:
-            raise MalformedRecord(f"relay url must have 1..{MAX_RELAY_URL_BYTES} bytes, got {len(raw)}")
-        if not self.url.isascii() or not self.url.isprintable() or " " in self.url:
-            raise MalformedRecord(f"relay url {self.url!r} must be printable ASCII without spaces")
-        try:
-            parts = urlsplit(self.url)
-        except ValueError as exc:
-            raise MalformedRecord(f"relay url {self.url!r} does not parse: {exc}") from None
-        if parts.scheme not in ("ws", "wss") or not parts.netloc:
-            raise MalformedRecord(f"relay url {self.url!r} must be ws://host[:port]/... or wss://...")
+        check_relay_url(self.url)
 
 
-def _check_quic_addr(addr: str) -> None:
+def check_relay_url(url: str) -> None:
+    """A MalformedRecord unless ``url`` is a relay URL a record can carry (the CLI checks ``--relay`` with it too)."""
+    raw = url.encode("utf-8", "surrogatepass")
+    if not 0 < len(raw) <= MAX_RELAY_URL_BYTES:
+        raise MalformedRecord(f"relay url must have 1..{MAX_RELAY_URL_BYTES} bytes, got {len(raw)}")
+    if not url.isascii() or not url.isprintable() or " " in url:
+        raise MalformedRecord(f"relay url {url!r} must be printable ASCII without spaces")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise MalformedRecord(f"relay url {url!r} does not parse: {exc}") from None
+    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+        raise MalformedRecord(f"relay url {url!r} must be ws://host[:port]/... or wss://...")
+
+
+def check_quic_addr(addr: str) -> None:
+    """A MalformedRecord unless ``addr`` is a ``host:port`` a record can carry (the CLI checks ``--advertise`` too)."""
     if not isinstance(addr, str):
         raise MalformedRecord(f"quic address must be a 'host:port' string, got {type(addr).__name__}")
     raw = addr.encode("utf-8", "surrogatepass")
@@ -165,7 +171,7 @@ class HostedSlice:
                 raise MalformedRecord(f"expert ranges {self.expert_ranges} must be non-empty, sorted and disjoint")
             previous_stop = stop
         if self.quic_addr is not None:
-            _check_quic_addr(self.quic_addr)
+            check_quic_addr(self.quic_addr)
         if self.relay is not None and not isinstance(self.relay, RelayAddress):
             raise MalformedRecord(f"relay must be a RelayAddress, got {type(self.relay).__name__}")
         if self.expert_ranges and self.quic_addr is None and self.relay is None:
@@ -298,7 +304,7 @@ class HelperRecord:
         if not isinstance(self.peer_id, PeerId):
             raise MalformedRecord("a helper record needs a PeerId")
         if self.quic_addr is not None:
-            _check_quic_addr(self.quic_addr)
+            check_quic_addr(self.quic_addr)
         for name in ("issued_at", "expires_at", "seq"):
             _check_uint(name, getattr(self, name), _U64)
         if not 0 < self.expires_at - self.issued_at <= MAX_LIFETIME:
