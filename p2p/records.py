@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from experts.errors import RemoteProtocolError
+from p2p import frames
 from p2p.identity import Identity, IdentityError, PeerId
 
 NAMESPACE = "moeswarm"
@@ -344,33 +345,22 @@ def issue_helper(
     return record, record.body() + identity.sign(HELPER_SIGNING_CONTEXT + record.body())
 
 
-class _Reader:
+class _Reader(frames.Reader):
+    """The shared frame reader over a record value (big-endian, ``MalformedRecord``s), plus text and peer id fields."""
+
+    __slots__ = ()
+
     def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.pos = 0
-
-    def take(self, n: int, what: str) -> bytes:
-        end = self.pos + n
-        if end > len(self.data):
-            raise MalformedRecord(f"record truncated in {what} (needs {end} bytes, has {len(self.data)})")
-        chunk = self.data[self.pos : end]
-        self.pos = end
-        return chunk
-
-    def u8(self, what: str) -> int:
-        return self.take(1, what)[0]
-
-    def u16(self, what: str) -> int:
-        return int.from_bytes(self.take(2, what), "big")
+        super().__init__(data, truncated=_truncated, trailing=_trailing)
 
     def text(self, n: int, what: str) -> str:
         try:
-            return self.take(n, what).decode("ascii")
+            return self.bytes(n, what).decode("ascii")
         except UnicodeDecodeError:
             raise MalformedRecord(f"{what} is not ASCII") from None
 
     def peer_id(self, n: int, what: str) -> PeerId:
-        peer = PeerId(self.take(n, what))
+        peer = PeerId(self.bytes(n, what))
         try:
             canonical = PeerId.from_public_bytes(peer.public_bytes)
         except IdentityError as exc:
@@ -380,12 +370,20 @@ class _Reader:
         return peer
 
 
+def _truncated(field: str, detail: str) -> MalformedRecord:
+    return MalformedRecord(f"record truncated in {field} ({detail})")
+
+
+def _trailing(field: str, detail: str) -> MalformedRecord:
+    return MalformedRecord(f"record has trailing bytes: {detail} (the signature)")
+
+
 def _open(value: bytes, magic: bytes, kind: str) -> tuple[_Reader, PeerId]:
     """A reader past a record's magic and peer id, once its size is known to be within the limit."""
     if len(value) > MAX_RECORD_BYTES:
         raise RecordTooLarge(f"record has {len(value)} bytes, the limit is {MAX_RECORD_BYTES}")
     r = _Reader(bytes(value))
-    if r.take(len(magic), "magic") != magic:
+    if r.bytes(len(magic), "magic") != magic:
         raise MalformedRecord(f"record does not start with {magic!r} (not a moeswarm {kind} record v1)")
     return r, r.peer_id(r.u8("peer id length"), "peer id")
 
@@ -393,7 +391,7 @@ def _open(value: bytes, magic: bytes, kind: str) -> tuple[_Reader, PeerId]:
 def decode(value: bytes) -> tuple[HostRecord, bytes]:
     """Parse a value into its record and signature, checking structure and field ranges only."""
     r, peer_id = _open(value, MAGIC, "host")
-    digest = r.take(32, "model digest").hex()
+    digest = r.bytes(32, "model digest").hex()
     layer = r.u16("layer")
     ranges = tuple((r.u16("range start"), r.u16("range stop")) for _ in range(r.u8("range count")))
     quic = r.text(r.u8("quic address length"), "quic address") or None
@@ -402,10 +400,9 @@ def decode(value: bytes) -> tuple[HostRecord, bytes]:
     if bool(relay_url) != bool(relay_peer_len):
         raise MalformedRecord("relay url and relay peer id must be both present or both absent")
     relay = RelayAddress(relay_url, r.peer_id(relay_peer_len, "relay peer id")) if relay_url else None
-    capacity, price, issued_at, expires_at, seq = _TAIL.unpack(r.take(_TAIL.size, "fixed fields"))
-    signature = r.take(SIGNATURE_BYTES, "signature")
-    if r.pos != len(r.data):
-        raise MalformedRecord(f"{len(r.data) - r.pos} trailing bytes after the signature")
+    capacity, price, issued_at, expires_at, seq = _TAIL.unpack(r.bytes(_TAIL.size, "fixed fields"))
+    signature = r.bytes(SIGNATURE_BYTES, "signature")
+    r.finish()
     hosted = HostedSlice(digest, layer, ranges, quic, relay, capacity, price)
     return HostRecord(peer_id, hosted, issued_at, expires_at, seq), signature
 
@@ -414,10 +411,9 @@ def decode_helper(value: bytes) -> tuple[HelperRecord, bytes]:
     """Parse a helper record value into its record and signature (structure and field ranges only)."""
     r, peer_id = _open(value, HELPER_MAGIC, "helper")
     quic = r.text(r.u8("quic address length"), "quic address") or None
-    issued_at, expires_at, seq = _HELPER_TAIL.unpack(r.take(_HELPER_TAIL.size, "fixed fields"))
-    signature = r.take(SIGNATURE_BYTES, "signature")
-    if r.pos != len(r.data):
-        raise MalformedRecord(f"{len(r.data) - r.pos} trailing bytes after the signature")
+    issued_at, expires_at, seq = _HELPER_TAIL.unpack(r.bytes(_HELPER_TAIL.size, "fixed fields"))
+    signature = r.bytes(SIGNATURE_BYTES, "signature")
+    r.finish()
     return HelperRecord(peer_id, quic, issued_at, expires_at, seq), signature
 
 

@@ -1,4 +1,4 @@
-"""Wire protocol building blocks: error codes and exceptions, field checks, and the bounds-checked body reader.
+"""Wire protocol building blocks: error codes and exceptions, field checks, and the body reader (``p2p.frames``).
 
 Shared by every message type of :mod:`p2p.wire`; split out so the message definitions read on their own. Every
 check raises a :class:`ProtocolError` subclass naming the field, so a peer's bad bytes become an error reply.
@@ -11,6 +11,7 @@ from enum import IntEnum
 from typing import ClassVar
 
 from experts.errors import RemoteProtocolError
+from p2p.frames import Reader
 
 MAX_MESSAGE = 64 * 1024 * 1024  # header included
 
@@ -122,43 +123,16 @@ def as_wire(field: str, code: str, values: object) -> tuple:
         raise InvalidField(field, f"does not fit the wire type ({exc})") from None
 
 
-class Reader:
-    """Reads a body front to back; every read checks that its bytes are present before slicing."""
+def body_reader(body: memoryview) -> Reader:
+    """The shared reader over a message body: little-endian, running short is ``Truncated``, leftovers ``InvalidField``."""
+    return Reader(body, truncated=Truncated, trailing=InvalidField, byteorder="little")
 
-    __slots__ = ("_view", "_pos")
 
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._pos = 0
+def sized(r: Reader, width: int, lo: int, limit: int, field: str) -> bytes:
+    """A length-prefixed byte string, its length checked against ``lo`` and ``limit`` before slicing."""
+    return r.bytes(count_field(field, r.uint(width, field), lo, limit), field)
 
-    def _advance(self, n: int, field: str) -> int:
-        start = self._pos
-        left = len(self._view) - start
-        if n > left:
-            raise Truncated(field, f"needs {n} bytes, {left} left")
-        self._pos = start + n
-        return start
 
-    def bytes(self, n: int, field: str) -> bytes:
-        start = self._advance(n, field)
-        return bytes(self._view[start : start + n])
-
-    def int(self, fmt: struct.Struct, field: str) -> int:
-        return fmt.unpack_from(self._view, self._advance(fmt.size, field))[0]
-
-    def sized(self, len_fmt: struct.Struct, lo: int, limit: int, field: str) -> bytes:
-        """A length-prefixed byte string, its length checked against ``lo`` and ``limit`` before slicing."""
-        return self.bytes(count_field(field, self.int(len_fmt, field), lo, limit), field)
-
-    def array(self, code: str, count: int, field: str) -> tuple:
-        fmt = struct.Struct(f"<{count}{code}")
-        return fmt.unpack_from(self._view, self._advance(fmt.size, field))
-
-    def rest(self, lo: int, field: str) -> bytes:
-        """The body's remaining bytes: a last field without a length prefix (``body_len`` already bounds it)."""
-        return self.bytes(count_field(field, len(self._view) - self._pos, lo, MAX_MESSAGE), field)
-
-    def finish(self) -> None:
-        left = len(self._view) - self._pos
-        if left:
-            raise InvalidField("body", f"{left} bytes after the last field")
+def rest(r: Reader, lo: int, field: str) -> bytes:
+    """The body's remaining bytes: a last field without a length prefix (``body_len`` already bounds it)."""
+    return r.bytes(count_field(field, r.left, lo, MAX_MESSAGE), field)
