@@ -100,3 +100,24 @@ class Reader:
 def prefixed(error: Callable[[str], Exception]) -> FieldError:
     """A factory for an exception that takes one message: ``"field: detail"``."""
     return lambda field, detail: error(f"{field}: {detail}")
+
+
+# --- field checks, shared by the codecs' constructors and decoders ---------------------------------------------------
+
+
+def int_in(field: str, value: object, lo: int, hi: int, error: FieldError) -> int:
+    """``value`` if it is an integer (not a bool) in ``[lo, hi]``; else the protocol's ``error``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise error(field, f"expected an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise error(field, f"{value} is outside [{lo}, {hi}]")
+    return value
+
+
+def exact_bytes(field: str, value: object, size: int, error: FieldError) -> bytes:
+    """``value`` as bytes if it is bytes-like of exactly ``size`` bytes; else the protocol's ``error``."""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise error(field, f"expected bytes, got {type(value).__name__}")
+    if len(value) != size:
+        raise error(field, f"must be {size} bytes, got {len(value)}")
+    return bytes(value)

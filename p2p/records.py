@@ -131,8 +131,7 @@ def check_quic_addr(addr: str) -> None:
 
 
 def _check_uint(name: str, value: int, limit: int) -> None:
-    if type(value) is not int or not 0 <= value <= limit:
-        raise MalformedRecord(f"{name} must be an integer in 0..{limit}, got {value!r}")
+    frames.int_in(name, value, 0, limit, frames.prefixed(MalformedRecord))
 
 
 @dataclass(frozen=True)

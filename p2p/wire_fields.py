@@ -11,7 +11,7 @@ from enum import IntEnum
 from typing import ClassVar
 
 from experts.errors import RemoteProtocolError
-from p2p.frames import Reader
+from p2p.frames import Reader, exact_bytes, int_in
 
 MAX_MESSAGE = 64 * 1024 * 1024  # header included
 
@@ -82,11 +82,7 @@ def set_frozen(obj: object, name: str, value: object) -> None:
 
 
 def int_field(field: str, value: object, lo: int, hi: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidField(field, f"expected an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise InvalidField(field, f"{value} is outside [{lo}, {hi}]")
-    return value
+    return int_in(field, value, lo, hi, InvalidField)
 
 
 def count_field(field: str, value: object, lo: int, limit: int) -> int:
@@ -97,11 +93,11 @@ def count_field(field: str, value: object, lo: int, limit: int) -> int:
 
 
 def bytes_field(field: str, value: object, lo: int, limit: int) -> bytes:
+    if lo == limit:
+        return exact_bytes(field, value, lo, InvalidField)
     if not isinstance(value, (bytes, bytearray, memoryview)):
         raise InvalidField(field, f"expected bytes, got {type(value).__name__}")
     value = bytes(value)
-    if lo == limit and len(value) != lo:
-        raise InvalidField(field, f"must be {lo} bytes, got {len(value)}")
     count_field(field, len(value), lo, limit)
     return value
 

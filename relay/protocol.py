@@ -31,7 +31,7 @@ from typing import ClassVar, Self
 
 from experts import errors
 from experts.errors import MoeSwarmError
-from p2p.frames import Reader
+from p2p.frames import Reader, exact_bytes, prefixed
 from p2p.identity import PeerId
 
 SUBPROTOCOL = "moeswarm-relay.v1"  # the WebSocket subprotocol (an HTTP token): versions the whole frame set
@@ -105,8 +105,7 @@ class FrameType(IntEnum):
 
 
 def _need(name: str, value: bytes, size: int) -> None:
-    if len(value) != size:
-        raise LocalProtocolError(f"{name} must be {size} bytes, got {len(value)}")
+    exact_bytes(name, value, size, prefixed(LocalProtocolError))
 
 
 def _need_text(text: str) -> None:
