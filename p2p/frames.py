@@ -25,7 +25,7 @@ _UINTS = {
 class Reader:
     """Reads ``data[start:end]`` front to back; every read checks that its bytes are present before slicing."""
 
-    __slots__ = ("_data", "_pos", "_end", "_uints", "_prefix", "_truncated", "_trailing")
+    __slots__ = ("_data", "_end", "_pos", "_prefix", "_trailing", "_truncated", "_uints")
 
     def __init__(
         self,
@@ -57,7 +57,7 @@ class Reader:
         self._pos = start + n
         return start
 
-    def bytes(self, n: int, field: str) -> bytes:
+    def take(self, n: int, field: str) -> bytes:
         start = self._advance(n, field)
         return bytes(self._data[start : start + n])
 
@@ -85,11 +85,11 @@ class Reader:
 
     def sized(self, width: int, field: str) -> bytes:
         """A byte string after its length (an unsigned integer of ``width`` bytes), checked before slicing."""
-        return self.bytes(self.uint(width, field), field)
+        return self.take(self.uint(width, field), field)
 
     def rest(self, field: str) -> bytes:
         """Everything not read yet: a last field that runs to the end of the frame."""
-        return self.bytes(self.left, field)
+        return self.take(self.left, field)
 
     def finish(self, field: str = "body") -> None:
         """Refuse bytes after the last field."""

@@ -118,7 +118,7 @@ class PunchRequest:
 
     @classmethod
     def parse(cls, r: Reader) -> Self:
-        return cls(r.bytes(NONCE_LEN, "nonce"), r.peer("target"), _read_kind(r), read_addrs(r, "addrs", MAX_ADDRS))
+        return cls(r.take(NONCE_LEN, "nonce"), r.peer("target"), _read_kind(r), read_addrs(r, "addrs", MAX_ADDRS))
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class PunchAccept:
 
     @classmethod
     def parse(cls, r: Reader) -> Self:
-        return cls(r.bytes(NONCE_LEN, "nonce"), _read_kind(r), read_addrs(r, "addrs", MAX_ADDRS), r.u16("delay_ms"))
+        return cls(r.take(NONCE_LEN, "nonce"), _read_kind(r), read_addrs(r, "addrs", MAX_ADDRS), r.u16("delay_ms"))
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class PunchReject:
 
     @classmethod
     def parse(cls, r: Reader) -> Self:
-        nonce, reason = r.bytes(NONCE_LEN, "nonce"), r.u8("reason")
+        nonce, reason = r.take(NONCE_LEN, "nonce"), r.u8("reason")
         if reason not in RejectReason._value2member_map_:
             raise InvalidField(f"reason: {reason} is not a RejectReason")
         return cls(nonce, RejectReason(reason))

@@ -74,13 +74,13 @@ class Reader(frames.Reader):
         super().__init__(data, truncated=frames.prefixed(Truncated), trailing=_trailing, start=start, end=end)
 
     def peer(self, name: str) -> PeerId:
-        return PeerId.from_public_bytes(self.bytes(KEY_LEN, name))
+        return PeerId.from_public_bytes(self.take(KEY_LEN, name))
 
     def ip(self, name: str) -> str:
         family = self.u8(name)
         if family not in (4, 6):
             raise InvalidField(f"{name}: address family {family} is neither 4 nor 6")
-        return str(ipaddress.ip_address(self.bytes(4 if family == 4 else 16, name)))
+        return str(ipaddress.ip_address(self.take(4 if family == 4 else 16, name)))
 
     def addr(self, name: str) -> Address:
         host = self.ip(name)

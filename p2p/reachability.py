@@ -95,7 +95,7 @@ class Observe:
 
     @classmethod
     def parse(cls, r: Reader) -> Self:
-        return cls(r.bytes(NONCE_LEN, "nonce"))
+        return cls(r.take(NONCE_LEN, "nonce"))
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class Observed:
 
     @classmethod
     def parse(cls, r: Reader) -> Self:
-        return cls(r.bytes(NONCE_LEN, "nonce"), r.addr("observed"))
+        return cls(r.take(NONCE_LEN, "nonce"), r.addr("observed"))
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class DialBack:
 
     @classmethod
     def parse(cls, r: Reader) -> Self:
-        nonce = r.bytes(NONCE_LEN, "nonce")
+        nonce = r.take(NONCE_LEN, "nonce")
         n = r.u8("avoid")
         if n > MAX_AVOID:
             raise InvalidField(f"avoid: {n} IPs, at most {MAX_AVOID}")
@@ -168,7 +168,7 @@ class DialBackStatus:
 
     @classmethod
     def parse(cls, r: Reader) -> Self:
-        nonce, status = r.bytes(NONCE_LEN, "nonce"), r.u8("status")
+        nonce, status = r.take(NONCE_LEN, "nonce"), r.u8("status")
         if status not in DialStatus._value2member_map_:
             raise InvalidField(f"status {status} is not a DialStatus")
         return cls(nonce, DialStatus(status), r.peer("helper") if status == DialStatus.ACCEPTED else None)
@@ -193,7 +193,7 @@ class _Targeted:
 
     @classmethod
     def parse(cls, r: Reader) -> Self:
-        return cls(r.bytes(NONCE_LEN, "nonce"), r.addr("target"), r.peer("requester"))
+        return cls(r.take(NONCE_LEN, "nonce"), r.addr("target"), r.peer("requester"))
 
 
 @dataclass(frozen=True)

@@ -354,12 +354,12 @@ class _Reader(frames.Reader):
 
     def text(self, n: int, what: str) -> str:
         try:
-            return self.bytes(n, what).decode("ascii")
+            return self.take(n, what).decode("ascii")
         except UnicodeDecodeError:
             raise MalformedRecord(f"{what} is not ASCII") from None
 
     def peer_id(self, n: int, what: str) -> PeerId:
-        peer = PeerId(self.bytes(n, what))
+        peer = PeerId(self.take(n, what))
         try:
             canonical = PeerId.from_public_bytes(peer.public_bytes)
         except IdentityError as exc:
@@ -382,7 +382,7 @@ def _open(value: bytes, magic: bytes, kind: str) -> tuple[_Reader, PeerId]:
     if len(value) > MAX_RECORD_BYTES:
         raise RecordTooLarge(f"record has {len(value)} bytes, the limit is {MAX_RECORD_BYTES}")
     r = _Reader(bytes(value))
-    if r.bytes(len(magic), "magic") != magic:
+    if r.take(len(magic), "magic") != magic:
         raise MalformedRecord(f"record does not start with {magic!r} (not a moeswarm {kind} record v1)")
     return r, r.peer_id(r.u8("peer id length"), "peer id")
 
@@ -390,7 +390,7 @@ def _open(value: bytes, magic: bytes, kind: str) -> tuple[_Reader, PeerId]:
 def decode(value: bytes) -> tuple[HostRecord, bytes]:
     """Parse a value into its record and signature, checking structure and field ranges only."""
     r, peer_id = _open(value, MAGIC, "host")
-    digest = r.bytes(32, "model digest").hex()
+    digest = r.take(32, "model digest").hex()
     layer = r.u16("layer")
     ranges = tuple((r.u16("range start"), r.u16("range stop")) for _ in range(r.u8("range count")))
     quic = r.text(r.u8("quic address length"), "quic address") or None
@@ -399,8 +399,8 @@ def decode(value: bytes) -> tuple[HostRecord, bytes]:
     if bool(relay_url) != bool(relay_peer_len):
         raise MalformedRecord("relay url and relay peer id must be both present or both absent")
     relay = RelayAddress(relay_url, r.peer_id(relay_peer_len, "relay peer id")) if relay_url else None
-    capacity, price, issued_at, expires_at, seq = _TAIL.unpack(r.bytes(_TAIL.size, "fixed fields"))
-    signature = r.bytes(SIGNATURE_BYTES, "signature")
+    capacity, price, issued_at, expires_at, seq = _TAIL.unpack(r.take(_TAIL.size, "fixed fields"))
+    signature = r.take(SIGNATURE_BYTES, "signature")
     r.finish()
     hosted = HostedSlice(digest, layer, ranges, quic, relay, capacity, price)
     return HostRecord(peer_id, hosted, issued_at, expires_at, seq), signature
@@ -410,8 +410,8 @@ def decode_helper(value: bytes) -> tuple[HelperRecord, bytes]:
     """Parse a helper record value into its record and signature (structure and field ranges only)."""
     r, peer_id = _open(value, HELPER_MAGIC, "helper")
     quic = r.text(r.u8("quic address length"), "quic address") or None
-    issued_at, expires_at, seq = _HELPER_TAIL.unpack(r.bytes(_HELPER_TAIL.size, "fixed fields"))
-    signature = r.bytes(SIGNATURE_BYTES, "signature")
+    issued_at, expires_at, seq = _HELPER_TAIL.unpack(r.take(_HELPER_TAIL.size, "fixed fields"))
+    signature = r.take(SIGNATURE_BYTES, "signature")
     r.finish()
     return HelperRecord(peer_id, quic, issued_at, expires_at, seq), signature
 

@@ -210,7 +210,7 @@ class _Capabilities(_Message):
         versions = r.array("B", count_field("versions", r.u8("versions"), 1, 255), "versions")
         codecs = r.array("B", count_field("codecs", r.u8("codecs"), 1, 255), "codecs")
         n_models = count_field("models", r.u8("models"), 0, MAX_MODELS)
-        return cls(role, versions, codecs, tuple(r.bytes(DIGEST_LEN, "models") for _ in range(n_models)))
+        return cls(role, versions, codecs, tuple(r.take(DIGEST_LEN, "models") for _ in range(n_models)))
 
 
 @dataclass(frozen=True)
@@ -296,8 +296,8 @@ class DispatchRequest(_Message):
 
     @classmethod
     def _decode(cls, r: Reader) -> Self:
-        dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
-        model_id = r.bytes(MODEL_ID_LEN, "model_id")
+        dispatch_id = r.take(DISPATCH_ID_LEN, "dispatch_id")
+        model_id = r.take(MODEL_ID_LEN, "model_id")
         layer = r.u16("layer")
         codec = enum_field(Codec, "codec", r.u8("codec"), BadCodec)
         top_k = count_field("top_k", r.u8("top_k"), 1, MAX_TOP_K)
@@ -344,7 +344,7 @@ class DispatchReply(_Message):
 
     @classmethod
     def _decode(cls, r: Reader) -> Self:
-        dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
+        dispatch_id = r.take(DISPATCH_ID_LEN, "dispatch_id")
         codec = enum_field(Codec, "codec", r.u8("codec"), BadCodec)
         n_tokens = count_field("n_tokens", r.u16("n_tokens"), 1, MAX_TOKENS)
         compute_us = r.u32("compute_us")
@@ -382,7 +382,7 @@ class ErrorReply(_Message):
 
     @classmethod
     def _decode(cls, r: Reader) -> Self:
-        dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
+        dispatch_id = r.take(DISPATCH_ID_LEN, "dispatch_id")
         code = enum_field(ErrorCode, "code", r.u8("code"))
         try:
             message = sized(r, 2, 0, MAX_ERROR_TEXT, "message").decode()

@@ -126,9 +126,9 @@ def body_reader(body: memoryview) -> Reader:
 
 def sized(r: Reader, width: int, lo: int, limit: int, field: str) -> bytes:
     """A length-prefixed byte string, its length checked against ``lo`` and ``limit`` before slicing."""
-    return r.bytes(count_field(field, r.uint(width, field), lo, limit), field)
+    return r.take(count_field(field, r.uint(width, field), lo, limit), field)
 
 
 def rest(r: Reader, lo: int, field: str) -> bytes:
     """The body's remaining bytes: a last field without a length prefix (``body_len`` already bounds it)."""
-    return r.bytes(count_field(field, r.left, lo, MAX_MESSAGE), field)
+    return r.take(count_field(field, r.left, lo, MAX_MESSAGE), field)

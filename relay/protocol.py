@@ -134,14 +134,14 @@ def _reader(frame_type: FrameType, body: bytes, expected: str) -> Reader:
 def _fixed(frame_type: FrameType, body: bytes, *sizes: int) -> list[bytes]:
     """The fields of a body made of fixed-size fields only, in order; any other body length is refused."""
     r = _reader(frame_type, body, f"exactly {sum(sizes)}")
-    fields = [r.bytes(size, "body") for size in sizes]
+    fields = [r.take(size, "body") for size in sizes]
     r.finish()
     return fields
 
 
 def _split_packet(frame_type: FrameType, body: bytes) -> tuple[PeerId, bytes]:
     r = _reader(frame_type, body, f"at least {KEY_SIZE}")
-    peer = PeerId.from_public_bytes(r.bytes(KEY_SIZE, "peer"))
+    peer = PeerId.from_public_bytes(r.take(KEY_SIZE, "peer"))
     return peer, r.rest("data")
 
 
