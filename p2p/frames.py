@@ -4,7 +4,8 @@ Every codec reads a frame front to back, and every read checks that its bytes ar
 converts anything, so a length field that lies costs nothing: the truncation error comes first. Each protocol
 keeps its own exceptions (their types and messages are part of its tests and its error replies): a reader is
 built with two factories, ``(field, detail) -> exception``, one for data that ends inside a field and one for
-bytes left over after the last field. Sans-IO, no dependencies.
+bytes left over after the last field. The field checks below (integer ranges, exact sizes) take such a factory
+too, so constructors and decoders of every protocol refuse a value in the same words. Sans-IO, no dependencies.
 """
 
 from __future__ import annotations
