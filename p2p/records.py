@@ -374,7 +374,7 @@ def _truncated(field: str, detail: str) -> MalformedRecord:
 
 
 def _trailing(field: str, detail: str) -> MalformedRecord:
-    return MalformedRecord(f"record has trailing bytes: {detail} (the signature)")
+    return MalformedRecord(f"trailing bytes after the {field}: {detail}")
 
 
 def _open(value: bytes, magic: bytes, kind: str) -> tuple[_Reader, PeerId]:
@@ -401,7 +401,7 @@ def decode(value: bytes) -> tuple[HostRecord, bytes]:
     relay = RelayAddress(relay_url, r.peer_id(relay_peer_len, "relay peer id")) if relay_url else None
     capacity, price, issued_at, expires_at, seq = _TAIL.unpack(r.take(_TAIL.size, "fixed fields"))
     signature = r.take(SIGNATURE_BYTES, "signature")
-    r.finish()
+    r.finish("signature")
     hosted = HostedSlice(digest, layer, ranges, quic, relay, capacity, price)
     return HostRecord(peer_id, hosted, issued_at, expires_at, seq), signature
 
@@ -412,7 +412,7 @@ def decode_helper(value: bytes) -> tuple[HelperRecord, bytes]:
     quic = r.text(r.u8("quic address length"), "quic address") or None
     issued_at, expires_at, seq = _HELPER_TAIL.unpack(r.take(_HELPER_TAIL.size, "fixed fields"))
     signature = r.take(SIGNATURE_BYTES, "signature")
-    r.finish()
+    r.finish("signature")
     return HelperRecord(peer_id, quic, issued_at, expires_at, seq), signature
 
 
