@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arch import RopeStyle, SharedExpert
+from .errors import ModelFormatError
 from .gguf_model import GGUFModel
 from .moe import expert_ffn, route, softmax, tiled_matmul
 
@@ -112,7 +113,7 @@ class Backbone:
 
     def __init__(self, model: GGUFModel) -> None:
         if model.is_slice:
-            raise ValueError(f"{model.path} is a slice; the backbone needs the full model file")
+            raise ModelFormatError(f"{model.path} is a slice; the backbone needs the full model file (give --model the file the slice was cut from)")
         self.model = model
         self.cfg = cfg = model.cfg
         self.spec = cfg.spec

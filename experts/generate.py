@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import UsageError
 from .forward import Backbone, KVCache, MoeFfn
+
+
+class PromptError(UsageError, ValueError):
+    """A request that cannot be generated: an empty prompt, or more tokens than the model's context holds.
+
+    Also a ValueError, as it was before the shared hierarchy: callers and tests catch it as one.
+    """
 
 
 @dataclass(frozen=True)
@@ -48,12 +56,12 @@ def check_request(backbone: Backbone, prompt: list[int], max_tokens: int, cache:
     """Reject a request before any forward pass: empty prompt, more tokens than the context holds, or a
     starting cache that leaves no prompt token to feed (the prefill's last row gives the first token)."""
     if not prompt:
-        raise ValueError("the prompt must hold at least one token")
+        raise PromptError("the prompt must hold at least one token; give a non-empty prompt")
     limit = backbone.cfg.context_length
     if len(prompt) + max_tokens > limit:
-        raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the model's context of {limit}")
+        raise PromptError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the model's context of {limit}; ask for fewer tokens")
     if cache is not None and cache.n_past >= len(prompt):
-        raise ValueError(f"the cache holds {cache.n_past} positions of a {len(prompt)}-token prompt; at least its last token must be fed")
+        raise PromptError(f"the cache holds {cache.n_past} positions of a {len(prompt)}-token prompt; at least its last token must be fed")
 
 
 def prefill(backbone: Backbone, prompt: list[int], moe_ffn: MoeFfn, cache: KVCache | None) -> tuple[KVCache, np.ndarray]:

@@ -16,8 +16,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from experts.errors import MoeSwarmError
 
-class LaunchError(RuntimeError):
+
+class LaunchError(MoeSwarmError):
     """A node process exited or did not become ready in time; the message quotes its log."""
 
 

@@ -11,13 +11,14 @@ import structlog
 def configure_logging(level: str = "warning", *, json_logs: bool = False) -> None:
     """Route structlog (and stdlib loggers such as libp2p's) to stderr at *level*."""
     lvl = getattr(logging, level.upper())
-    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+    # ConsoleRenderer prints an event's exc_info as a traceback itself; JSON needs it formatted into a field first.
+    renderer = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()] if json_logs else [structlog.dev.ConsoleRenderer(colors=False)]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
+            *renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),

@@ -8,6 +8,7 @@ import os
 import signal
 from pathlib import Path
 
+from experts.errors import UsageError
 from experts.home import moeswarm_home
 from p2p.identity import Identity
 
@@ -32,9 +33,10 @@ def write_ready(path: str | None, info: dict) -> None:
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` (IPv6 in brackets) as given on the command line; a UsageError saying the form otherwise."""
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"address {text!r} must be HOST:PORT, e.g. 127.0.0.1:4433")
+        raise UsageError(f"address {text!r} must be HOST:PORT, e.g. 127.0.0.1:4433")
     return host.strip("[]"), int(port)
 
 

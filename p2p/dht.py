@@ -52,6 +52,8 @@ from typing import Any
 import structlog
 import trio
 
+from experts.errors import UsageError
+from p2p.dht_libp2p import libp2p_api
 from p2p.discovery import Announcer, DiscoveryError, Publication, live_hosts
 from p2p.identity import Identity, IdentityError, PeerId
 from p2p.records import (
@@ -66,7 +68,6 @@ from p2p.records import (
     validate,
     value_key,
 )
-from p2p.dht_libp2p import libp2p_api
 from p2p.trio_thread import TrioThread
 
 log = structlog.get_logger(__name__)
@@ -136,11 +137,11 @@ def tcp_multiaddr(listen: str) -> str:
     """``"127.0.0.1:4001"`` or ``"[::1]:4001"`` as a TCP multiaddr."""
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 0xFFFF:
-        raise ValueError(f"listen address {listen!r} must be ip:port, e.g. 127.0.0.1:4001 or [::1]:4001")
+        raise UsageError(f"listen address {listen!r} must be ip:port, e.g. 127.0.0.1:4001 or [::1]:4001")
     try:
         ip = ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
     except ValueError:
-        raise ValueError(f"listen address {listen!r}: {host!r} is not an IP address") from None
+        raise UsageError(f"listen address {listen!r}: {host!r} is not an IP address; give an IP, e.g. 0.0.0.0:4001") from None
     return f"/ip{ip.version}/{ip}/tcp/{port}"
 
 
@@ -225,7 +226,7 @@ class _Node:
             try:
                 info = lib.info_from_p2p_addr(lib.Multiaddr(addr))
             except Exception as exc:  # multiaddr raises several types for bad text
-                raise ValueError(
+                raise UsageError(
                     f"bootstrap address {addr!r} must look like /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW... ({exc})"
                 ) from None
             if info.peer_id == self.host.get_id():

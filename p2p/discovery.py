@@ -20,6 +20,7 @@ from typing import Protocol
 
 import structlog
 
+from experts.errors import MoeSwarmError
 from p2p.identity import Identity, PeerId
 from p2p.records import (
     MAX_LIFETIME,
@@ -35,7 +36,7 @@ from p2p.records import (
 log = structlog.get_logger(__name__)
 
 
-class DiscoveryError(Exception):
+class DiscoveryError(MoeSwarmError):
     """A discovery backend cannot do what was asked (not started, closed, unreachable network)."""
 
 

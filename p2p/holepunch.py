@@ -43,6 +43,7 @@ from typing import ClassVar, Self
 
 import structlog
 
+from p2p.frames import int_in, prefixed
 from p2p.identity import Identity, PeerId
 from p2p.natwire import (
     NONCE_LEN,
@@ -85,6 +86,9 @@ class RejectReason(IntEnum):
     SYMMETRIC = 1  # one side is behind a symmetric NAT
     NO_ADDRESS = 2  # one side knows no observed address to punch to
     BUSY = 3  # too many requests from this peer
+
+
+_refused = prefixed(ValueError)  # a frame this side may not build (SignedCodec.decode reports it as InvalidField)
 
 
 def _check_kind(nat: NatKind) -> None:
@@ -134,8 +138,7 @@ class PunchAccept:
         check_nonce(self.nonce)
         _check_kind(self.nat)
         check_addrs(self.addrs, MAX_ADDRS)
-        if not 0 <= self.delay_ms <= 0xFFFF:
-            raise ValueError(f"delay_ms {self.delay_ms} is outside 0..65535")
+        int_in("delay_ms", self.delay_ms, 0, 0xFFFF, _refused)
 
     def body(self) -> bytes:
         return self.nonce + bytes([self.nat]) + encode_addrs(self.addrs) + self.delay_ms.to_bytes(2, "big")
@@ -199,8 +202,7 @@ class PathPacket:
             raise ValueError(f"a session id has {SID_LEN} bytes")
         PathKind(self.kind)
         Role(self.role)
-        if not 0 <= self.seq <= 0xFFFF_FFFF:
-            raise ValueError(f"seq {self.seq} is outside u32")
+        int_in("seq", self.seq, 0, 0xFFFF_FFFF, _refused)
 
     def encode(self, key: bytes) -> bytes:
         head = _PATH.pack(PATH_MAGIC, 1, self.kind, self.role, self.sid, self.seq)

@@ -16,13 +16,19 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from experts.errors import RemoteProtocolError, UsageError
+
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 _ED25519_PROTO_PREFIX = b"\x08\x01\x12\x20"  # PublicKey{Type: Ed25519 (1), Data: 32 bytes}
 _IDENTITY_MULTIHASH = b"\x00\x24"  # identity hash (0x00), 36-byte digest
 
 
-class IdentityError(ValueError):
-    """A peer id or key file is malformed."""
+class IdentityError(RemoteProtocolError):
+    """A peer id or key is malformed (bytes from a peer, a record or a ledger)."""
+
+
+class KeyFileError(IdentityError, UsageError):
+    """This node's own key file cannot be used; the message says how to fix it."""
 
 
 def _b58encode(data: bytes) -> str:
@@ -115,13 +121,13 @@ class Identity:
         if path.exists():
             mode = path.stat().st_mode & 0o777
             if mode & 0o077:
-                raise IdentityError(f"key file {path} is readable by others (mode {mode:o}); run: chmod 600 {path}")
+                raise KeyFileError(f"key file {path} is readable by others (mode {mode:o}); run: chmod 600 {path}")
             try:
                 key = serialization.load_pem_private_key(path.read_bytes(), password=None)
             except ValueError as exc:
-                raise IdentityError(f"key file {path} is not a PEM private key: {exc}") from None
+                raise KeyFileError(f"key file {path} is not a PEM private key ({exc}); restore it, or move it away to create a new identity") from None
             if not isinstance(key, Ed25519PrivateKey):
-                raise IdentityError(f"key file {path} holds a {type(key).__name__}, not an Ed25519 key")
+                raise KeyFileError(f"key file {path} holds a {type(key).__name__}, not an Ed25519 key; move it away to create a new identity")
             return cls(key)
         ident = cls.generate()
         path.parent.mkdir(parents=True, exist_ok=True)

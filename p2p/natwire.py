@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, Self
 
+from experts.errors import RemoteProtocolError
+from p2p import frames
 from p2p.identity import Identity, IdentityError, PeerId
 
 Address = tuple[str, int]
@@ -35,7 +37,7 @@ MAX_FRAME = 512  # every frame of both protocols is far smaller; checked before 
 FRAME_MARK = 0x0D  # first byte of every frame: 00xxxxxx is never a QUIC packet (fixed bit 0x40)
 
 
-class FrameError(ValueError):
+class FrameError(RemoteProtocolError):
     """Bytes that are not an acceptable frame; the subclass says why."""
 
 
@@ -58,28 +60,17 @@ class BadSignature(FrameError):
 # --- field codecs (shared with p2p.holepunch) -----------------------------------------------------------------------
 
 
-class Reader:
-    """Reads a frame front to back; every read checks that its bytes are present before slicing."""
+def _trailing(field: str, detail: str) -> InvalidField:
+    return InvalidField(detail)  # the whole frame is the field here: "N bytes after the last field"
+
+
+class Reader(frames.Reader):
+    """The shared frame reader over a frame's body (big-endian, ``FrameError``s), plus peer and address fields."""
+
+    __slots__ = ()
 
     def __init__(self, data: bytes, start: int = 0, end: int | None = None) -> None:
-        self._data = data
-        self._pos = start
-        self._end = len(data) if end is None else end
-
-    def take(self, n: int, name: str) -> bytes:
-        if n > self._end - self._pos:
-            raise Truncated(f"{name}: needs {n} bytes, {self._end - self._pos} left")
-        start, self._pos = self._pos, self._pos + n
-        return self._data[start : self._pos]
-
-    def u8(self, name: str) -> int:
-        return self.take(1, name)[0]
-
-    def u16(self, name: str) -> int:
-        return int.from_bytes(self.take(2, name), "big")
-
-    def u32(self, name: str) -> int:
-        return int.from_bytes(self.take(4, name), "big")
+        super().__init__(data, truncated=frames.prefixed(Truncated), trailing=_trailing, start=start, end=end)
 
     def peer(self, name: str) -> PeerId:
         return PeerId.from_public_bytes(self.take(KEY_LEN, name))
@@ -96,10 +87,6 @@ class Reader:
         if port == 0:
             raise InvalidField(f"{name}: port 0")
         return host, port
-
-    def finish(self) -> None:
-        if self._pos != self._end:
-            raise InvalidField(f"{self._end - self._pos} bytes after the last field")
 
 
 def encode_ip(host: str) -> bytes:

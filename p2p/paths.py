@@ -25,6 +25,7 @@ from enum import StrEnum
 
 import structlog
 
+from experts.errors import LocalProtocolError
 from p2p import backoff
 from p2p.identity import PeerId
 from p2p.natwire import Address
@@ -66,7 +67,7 @@ TRANSITIONS: dict[tuple[PathState, PathEvent], tuple[PathState, Retry, str]] = {
 del S, E, R
 
 
-class InvalidTransition(RuntimeError):
+class InvalidTransition(LocalProtocolError):
     """The caller applied an event that the peer's current state does not allow (a local bug)."""
 
 

@@ -68,8 +68,7 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from p2p.identity import Identity, PeerId
 from p2p.quic_aioquic import AuthQuicConnection
 from p2p.quic_conn import Conn, retrieve, settle
-from p2p.quic_errors import Address, ConnectionLost, ErrorCode, PeerAuthError, TransportError, TransportTimeout
-from p2p.quic_errors import MessageTooLarge, RemoteError  # noqa: F401  re-exported: callers import errors from here
+from p2p.quic_errors import Address, ConnectionLost, ErrorCode, MessageTooLarge, PeerAuthError, RemoteError, TransportError, TransportTimeout  # noqa: F401  re-exported: callers import errors from here
 from p2p.quic_events import EndpointEvent, PathClosed, PathOpened, Subscriber
 from p2p.quic_streams import (
     AbortStream,

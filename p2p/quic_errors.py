@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from experts.errors import MoeSwarmError
 from p2p.identity import PeerId
 
 Address = tuple[str, int]
@@ -25,7 +26,7 @@ class ErrorCode(IntEnum):
     PROTOCOL_VIOLATION = 6
 
 
-class TransportError(Exception):
+class TransportError(MoeSwarmError):
     """A request on the data path failed."""
 
 

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from experts.errors import RemoteProtocolError
+from p2p import frames
 from p2p.identity import Identity, IdentityError, PeerId
 
 NAMESPACE = "moeswarm"
@@ -58,7 +60,7 @@ _HELPER_TAIL = struct.Struct(">QQQ")  # issued_at, expires_at, seq
 _HEX = frozenset("0123456789abcdef")
 
 
-class RecordError(ValueError):
+class RecordError(RemoteProtocolError):
     """A record (or its DHT key) is not acceptable; the subclass says why."""
 
 
@@ -96,20 +98,26 @@ class RelayAddress:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not isinstance(self.peer_id, PeerId):
             raise MalformedRecord("a relay address needs a URL string and the relay's PeerId")
-        raw = self.url.encode("utf-8", "surrogatepass")
-        if not 0 < len(raw) <= MAX_RELAY_URL_BYTES:
-            raise MalformedRecord(f"relay url must have 1..{MAX_RELAY_URL_BYTES} bytes, got {len(raw)}")
-        if not self.url.isascii() or not self.url.isprintable() or " " in self.url:
-            raise MalformedRecord(f"relay url {self.url!r} must be printable ASCII without spaces")
-        try:
-            parts = urlsplit(self.url)
-        except ValueError as exc:
-            raise MalformedRecord(f"relay url {self.url!r} does not parse: {exc}") from None
-        if parts.scheme not in ("ws", "wss") or not parts.netloc:
-            raise MalformedRecord(f"relay url {self.url!r} must be ws://host[:port]/... or wss://...")
+        check_relay_url(self.url)
 
 
-def _check_quic_addr(addr: str) -> None:
+def check_relay_url(url: str) -> None:
+    """A MalformedRecord unless ``url`` is a relay URL a record can carry (the CLI checks ``--relay`` with it too)."""
+    raw = url.encode("utf-8", "surrogatepass")
+    if not 0 < len(raw) <= MAX_RELAY_URL_BYTES:
+        raise MalformedRecord(f"relay url must have 1..{MAX_RELAY_URL_BYTES} bytes, got {len(raw)}")
+    if not url.isascii() or not url.isprintable() or " " in url:
+        raise MalformedRecord(f"relay url {url!r} must be printable ASCII without spaces")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise MalformedRecord(f"relay url {url!r} does not parse: {exc}") from None
+    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+        raise MalformedRecord(f"relay url {url!r} must be ws://host[:port]/... or wss://...")
+
+
+def check_quic_addr(addr: str) -> None:
+    """A MalformedRecord unless ``addr`` is a ``host:port`` a record can carry (the CLI checks ``--advertise`` too)."""
     if not isinstance(addr, str):
         raise MalformedRecord(f"quic address must be a 'host:port' string, got {type(addr).__name__}")
     raw = addr.encode("utf-8", "surrogatepass")
@@ -123,8 +131,7 @@ def _check_quic_addr(addr: str) -> None:
 
 
 def _check_uint(name: str, value: int, limit: int) -> None:
-    if type(value) is not int or not 0 <= value <= limit:
-        raise MalformedRecord(f"{name} must be an integer in 0..{limit}, got {value!r}")
+    frames.int_in(name, value, 0, limit, frames.prefixed(MalformedRecord))
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,7 @@ class HostedSlice:
                 raise MalformedRecord(f"expert ranges {self.expert_ranges} must be non-empty, sorted and disjoint")
             previous_stop = stop
         if self.quic_addr is not None:
-            _check_quic_addr(self.quic_addr)
+            check_quic_addr(self.quic_addr)
         if self.relay is not None and not isinstance(self.relay, RelayAddress):
             raise MalformedRecord(f"relay must be a RelayAddress, got {type(self.relay).__name__}")
         if self.expert_ranges and self.quic_addr is None and self.relay is None:
@@ -297,7 +304,7 @@ class HelperRecord:
         if not isinstance(self.peer_id, PeerId):
             raise MalformedRecord("a helper record needs a PeerId")
         if self.quic_addr is not None:
-            _check_quic_addr(self.quic_addr)
+            check_quic_addr(self.quic_addr)
         for name in ("issued_at", "expires_at", "seq"):
             _check_uint(name, getattr(self, name), _U64)
         if not 0 < self.expires_at - self.issued_at <= MAX_LIFETIME:
@@ -337,24 +344,13 @@ def issue_helper(
     return record, record.body() + identity.sign(HELPER_SIGNING_CONTEXT + record.body())
 
 
-class _Reader:
+class _Reader(frames.Reader):
+    """The shared frame reader over a record value (big-endian, ``MalformedRecord``s), plus text and peer id fields."""
+
+    __slots__ = ()
+
     def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.pos = 0
-
-    def take(self, n: int, what: str) -> bytes:
-        end = self.pos + n
-        if end > len(self.data):
-            raise MalformedRecord(f"record truncated in {what} (needs {end} bytes, has {len(self.data)})")
-        chunk = self.data[self.pos : end]
-        self.pos = end
-        return chunk
-
-    def u8(self, what: str) -> int:
-        return self.take(1, what)[0]
-
-    def u16(self, what: str) -> int:
-        return int.from_bytes(self.take(2, what), "big")
+        super().__init__(data, truncated=_truncated, trailing=_trailing)
 
     def text(self, n: int, what: str) -> str:
         try:
@@ -371,6 +367,14 @@ class _Reader:
         if canonical != peer:
             raise MalformedRecord(f"{what} is not an Ed25519 libp2p peer id")
         return peer
+
+
+def _truncated(field: str, detail: str) -> MalformedRecord:
+    return MalformedRecord(f"record truncated in {field} ({detail})")
+
+
+def _trailing(field: str, detail: str) -> MalformedRecord:
+    return MalformedRecord(f"trailing bytes after the {field}: {detail}")
 
 
 def _open(value: bytes, magic: bytes, kind: str) -> tuple[_Reader, PeerId]:
@@ -397,8 +401,7 @@ def decode(value: bytes) -> tuple[HostRecord, bytes]:
     relay = RelayAddress(relay_url, r.peer_id(relay_peer_len, "relay peer id")) if relay_url else None
     capacity, price, issued_at, expires_at, seq = _TAIL.unpack(r.take(_TAIL.size, "fixed fields"))
     signature = r.take(SIGNATURE_BYTES, "signature")
-    if r.pos != len(r.data):
-        raise MalformedRecord(f"{len(r.data) - r.pos} trailing bytes after the signature")
+    r.finish("signature")
     hosted = HostedSlice(digest, layer, ranges, quic, relay, capacity, price)
     return HostRecord(peer_id, hosted, issued_at, expires_at, seq), signature
 
@@ -409,8 +412,7 @@ def decode_helper(value: bytes) -> tuple[HelperRecord, bytes]:
     quic = r.text(r.u8("quic address length"), "quic address") or None
     issued_at, expires_at, seq = _HELPER_TAIL.unpack(r.take(_HELPER_TAIL.size, "fixed fields"))
     signature = r.take(SIGNATURE_BYTES, "signature")
-    if r.pos != len(r.data):
-        raise MalformedRecord(f"{len(r.data) - r.pos} trailing bytes after the signature")
+    r.finish("signature")
     return HelperRecord(peer_id, quic, issued_at, expires_at, seq), signature
 
 

@@ -27,6 +27,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
+from experts.errors import RemoteProtocolError
 from p2p.identity import Identity, PeerId
 
 EXTENSION_OID = x509.ObjectIdentifier("1.3.6.1.4.1.53594.1.1")
@@ -40,7 +41,7 @@ _CURVES = (ec.SECP256R1, ec.SECP384R1)
 _HASHES = (hashes.SHA256, hashes.SHA384, hashes.SHA512)
 
 
-class PeerCertificateError(ValueError):
+class PeerCertificateError(RemoteProtocolError):
     """A certificate does not prove the peer id it claims (malformed, expired, forged or unsupported)."""
 
 

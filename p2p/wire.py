@@ -88,9 +88,25 @@ from typing import ClassVar, Self
 
 from experts.codecs import Codec  # one enum for the codecs and the wire's codec byte
 
+from .frames import Reader
 from .wire_fields import (
-    MAX_MESSAGE, BadCodec, ErrorCode, InvalidField, ProtocolError, Reader, TooLarge, Truncated, UnsupportedVersion, as_wire, bytes_field,
-    count_field, enum_field, int_field, set_frozen,
+    MAX_MESSAGE,
+    BadCodec,
+    ErrorCode,
+    InvalidField,
+    ProtocolError,
+    TooLarge,
+    Truncated,
+    UnsupportedVersion,
+    as_wire,
+    body_reader,
+    bytes_field,
+    count_field,
+    enum_field,
+    int_field,
+    rest,
+    set_frozen,
+    sized,
 )  # fmt: skip
 
 __all__ = [
@@ -118,7 +134,6 @@ MAX_RECEIPT = 4096
 MAX_MODELS = 64
 
 _HEADER = struct.Struct("<3sBBHI")
-_U8, _U16, _U32, _U64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q"))
 
 
 class MsgType(IntEnum):
@@ -200,11 +215,11 @@ class _Capabilities(_Message):
 
     @classmethod
     def _decode(cls, r: Reader) -> Self:
-        role = enum_field(Role, "role", r.int(_U8, "role"))
-        versions = r.array("B", count_field("versions", r.int(_U8, "versions"), 1, 255), "versions")
-        codecs = r.array("B", count_field("codecs", r.int(_U8, "codecs"), 1, 255), "codecs")
-        n_models = count_field("models", r.int(_U8, "models"), 0, MAX_MODELS)
-        return cls(role, versions, codecs, tuple(r.bytes(DIGEST_LEN, "models") for _ in range(n_models)))
+        role = enum_field(Role, "role", r.u8("role"))
+        versions = r.array("B", count_field("versions", r.u8("versions"), 1, 255), "versions")
+        codecs = r.array("B", count_field("codecs", r.u8("codecs"), 1, 255), "codecs")
+        n_models = count_field("models", r.u8("models"), 0, MAX_MODELS)
+        return cls(role, versions, codecs, tuple(r.take(DIGEST_LEN, "models") for _ in range(n_models)))
 
 
 @dataclass(frozen=True)
@@ -290,15 +305,15 @@ class DispatchRequest(_Message):
 
     @classmethod
     def _decode(cls, r: Reader) -> Self:
-        dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
-        model_id = r.bytes(MODEL_ID_LEN, "model_id")
-        layer = r.int(_U16, "layer")
-        codec = enum_field(Codec, "codec", r.int(_U8, "codec"), BadCodec)
-        top_k = count_field("top_k", r.int(_U8, "top_k"), 1, MAX_TOP_K)
-        n_tokens = count_field("n_tokens", r.int(_U16, "n_tokens"), 1, MAX_TOKENS)
+        dispatch_id = r.take(DISPATCH_ID_LEN, "dispatch_id")
+        model_id = r.take(MODEL_ID_LEN, "model_id")
+        layer = r.u16("layer")
+        codec = enum_field(Codec, "codec", r.u8("codec"), BadCodec)
+        top_k = count_field("top_k", r.u8("top_k"), 1, MAX_TOP_K)
+        n_tokens = count_field("n_tokens", r.u16("n_tokens"), 1, MAX_TOKENS)
         expert_ids = r.array("h", n_tokens * top_k, "expert_ids")
         router_weights = r.array("f", n_tokens * top_k, "router_weights")
-        hidden = r.rest(1, "hidden")
+        hidden = rest(r, 1, "hidden")
         return cls(dispatch_id, model_id, layer, codec, n_tokens, top_k, expert_ids, router_weights, hidden)
 
 
@@ -338,12 +353,12 @@ class DispatchReply(_Message):
 
     @classmethod
     def _decode(cls, r: Reader) -> Self:
-        dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
-        codec = enum_field(Codec, "codec", r.int(_U8, "codec"), BadCodec)
-        n_tokens = count_field("n_tokens", r.int(_U16, "n_tokens"), 1, MAX_TOKENS)
-        compute_us = r.int(_U32, "compute_us")
-        receipt = r.sized(_U16, 0, MAX_RECEIPT, "receipt")
-        partial = r.rest(1, "partial")
+        dispatch_id = r.take(DISPATCH_ID_LEN, "dispatch_id")
+        codec = enum_field(Codec, "codec", r.u8("codec"), BadCodec)
+        n_tokens = count_field("n_tokens", r.u16("n_tokens"), 1, MAX_TOKENS)
+        compute_us = r.u32("compute_us")
+        receipt = sized(r, 2, 0, MAX_RECEIPT, "receipt")
+        partial = rest(r, 1, "partial")
         return cls(dispatch_id, codec, n_tokens, partial, compute_us, receipt)
 
 
@@ -376,10 +391,10 @@ class ErrorReply(_Message):
 
     @classmethod
     def _decode(cls, r: Reader) -> Self:
-        dispatch_id = r.bytes(DISPATCH_ID_LEN, "dispatch_id")
-        code = enum_field(ErrorCode, "code", r.int(_U8, "code"))
+        dispatch_id = r.take(DISPATCH_ID_LEN, "dispatch_id")
+        code = enum_field(ErrorCode, "code", r.u8("code"))
         try:
-            message = r.sized(_U16, 0, MAX_ERROR_TEXT, "message").decode()
+            message = sized(r, 2, 0, MAX_ERROR_TEXT, "message").decode()
         except UnicodeDecodeError:
             raise InvalidField("message", "is not valid UTF-8") from None
         return cls(dispatch_id, code, message)
@@ -404,7 +419,7 @@ class _Echo(_Message):
 
     @classmethod
     def _decode(cls, r: Reader) -> Self:
-        return cls(r.int(_U64, "nonce"), r.int(_U64, "sent_at_us"))
+        return cls(r.u64("nonce"), r.u64("sent_at_us"))
 
 
 @dataclass(frozen=True)
@@ -504,7 +519,7 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         return Unknown(header.msg_type, bytes(body), header.flags)
     if header.flags:
         raise InvalidField("flags", f"{header.flags:#06x} set on {cls.__name__}; no flag is defined")
-    reader = Reader(body)
+    reader = body_reader(body)
     message = cls._decode(reader)
     reader.finish()
     return message

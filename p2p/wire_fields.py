@@ -1,4 +1,4 @@
-"""Wire protocol building blocks: error codes and exceptions, field checks, and the bounds-checked body reader.
+"""Wire protocol building blocks: error codes and exceptions, field checks, and the body reader (``p2p.frames``).
 
 Shared by every message type of :mod:`p2p.wire`; split out so the message definitions read on their own. Every
 check raises a :class:`ProtocolError` subclass naming the field, so a peer's bad bytes become an error reply.
@@ -9,6 +9,9 @@ from __future__ import annotations
 import struct
 from enum import IntEnum
 from typing import ClassVar
+
+from experts.errors import RemoteProtocolError
+from p2p.frames import Reader, exact_bytes, int_in
 
 MAX_MESSAGE = 64 * 1024 * 1024  # header included
 
@@ -26,7 +29,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 8
 
 
-class ProtocolError(ValueError):
+class ProtocolError(RemoteProtocolError):
     """A message breaks this protocol. ``field`` names the part at fault; ``error_code`` is the code to answer with.
 
     Raised by ``decode`` when a peer sends such bytes, and by the constructors when local code builds such a value.
@@ -79,11 +82,7 @@ def set_frozen(obj: object, name: str, value: object) -> None:
 
 
 def int_field(field: str, value: object, lo: int, hi: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidField(field, f"expected an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise InvalidField(field, f"{value} is outside [{lo}, {hi}]")
-    return value
+    return int_in(field, value, lo, hi, InvalidField)
 
 
 def count_field(field: str, value: object, lo: int, limit: int) -> int:
@@ -94,11 +93,11 @@ def count_field(field: str, value: object, lo: int, limit: int) -> int:
 
 
 def bytes_field(field: str, value: object, lo: int, limit: int) -> bytes:
+    if lo == limit:
+        return exact_bytes(field, value, lo, InvalidField)
     if not isinstance(value, (bytes, bytearray, memoryview)):
         raise InvalidField(field, f"expected bytes, got {type(value).__name__}")
     value = bytes(value)
-    if lo == limit and len(value) != lo:
-        raise InvalidField(field, f"must be {lo} bytes, got {len(value)}")
     count_field(field, len(value), lo, limit)
     return value
 
@@ -120,43 +119,16 @@ def as_wire(field: str, code: str, values: object) -> tuple:
         raise InvalidField(field, f"does not fit the wire type ({exc})") from None
 
 
-class Reader:
-    """Reads a body front to back; every read checks that its bytes are present before slicing."""
+def body_reader(body: memoryview) -> Reader:
+    """The shared reader over a message body: little-endian, running short is ``Truncated``, leftovers ``InvalidField``."""
+    return Reader(body, truncated=Truncated, trailing=InvalidField, byteorder="little")
 
-    __slots__ = ("_view", "_pos")
 
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._pos = 0
+def sized(r: Reader, width: int, lo: int, limit: int, field: str) -> bytes:
+    """A length-prefixed byte string, its length checked against ``lo`` and ``limit`` before slicing."""
+    return r.take(count_field(field, r.uint(width, field), lo, limit), field)
 
-    def _advance(self, n: int, field: str) -> int:
-        start = self._pos
-        left = len(self._view) - start
-        if n > left:
-            raise Truncated(field, f"needs {n} bytes, {left} left")
-        self._pos = start + n
-        return start
 
-    def bytes(self, n: int, field: str) -> bytes:
-        start = self._advance(n, field)
-        return bytes(self._view[start : start + n])
-
-    def int(self, fmt: struct.Struct, field: str) -> int:
-        return fmt.unpack_from(self._view, self._advance(fmt.size, field))[0]
-
-    def sized(self, len_fmt: struct.Struct, lo: int, limit: int, field: str) -> bytes:
-        """A length-prefixed byte string, its length checked against ``lo`` and ``limit`` before slicing."""
-        return self.bytes(count_field(field, self.int(len_fmt, field), lo, limit), field)
-
-    def array(self, code: str, count: int, field: str) -> tuple:
-        fmt = struct.Struct(f"<{count}{code}")
-        return fmt.unpack_from(self._view, self._advance(fmt.size, field))
-
-    def rest(self, lo: int, field: str) -> bytes:
-        """The body's remaining bytes: a last field without a length prefix (``body_len`` already bounds it)."""
-        return self.bytes(count_field(field, len(self._view) - self._pos, lo, MAX_MESSAGE), field)
-
-    def finish(self) -> None:
-        left = len(self._view) - self._pos
-        if left:
-            raise InvalidField("body", f"{left} bytes after the last field")
+def rest(r: Reader, lo: int, field: str) -> bytes:
+    """The body's remaining bytes: a last field without a length prefix (``body_len`` already bounds it)."""
+    return r.take(count_field(field, r.left, lo, MAX_MESSAGE), field)

@@ -27,6 +27,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.typing import Subprotocol
 
+from experts.errors import MoeSwarmError
 from p2p import backoff
 from p2p.identity import Identity, PeerId
 
@@ -50,7 +51,7 @@ PacketHandler = Callable[[PeerId, bytes], None]
 log = structlog.get_logger("relay.client")
 
 
-class RelayUnavailable(TimeoutError):
+class RelayUnavailable(MoeSwarmError, TimeoutError):
     """The relay did not accept us within the caller's timeout."""
 
 

@@ -20,7 +20,7 @@ relay's key (worker records carry it) signs for no other relay, so a machine in 
 relay's challenge on and log in as the client with the answer (without a pin or TLS, it can).
 
 Frame type numbers are never reused; an unknown number decodes to ``Unknown`` so that newer peers can add
-frames. Every decode error is a ``FrameError``; lengths are checked before anything is sliced or allocated.
+frames. Every decode error is a ``FrameError``; lengths are checked before anything is sliced or allocated (``p2p.frames.Reader``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Self
 
+from experts import errors
+from experts.errors import MoeSwarmError
+from p2p.frames import Reader, exact_bytes, prefixed
 from p2p.identity import PeerId
 
 SUBPROTOCOL = "moeswarm-relay.v1"  # the WebSocket subprotocol (an HTTP token): versions the whole frame set
@@ -43,15 +46,15 @@ MAX_TEXT = 256  # bytes of UTF-8 in Refused / Health / Error
 MAX_FRAME = 1 + KEY_SIZE + MAX_PACKET  # the largest frame of any type, checked before decoding
 
 
-class RelayError(Exception):
-    """Base of every relay protocol error."""
+class RelayError(MoeSwarmError):
+    """Base of every relay protocol error (a session's ``error`` is one, from either side)."""
 
 
-class LocalProtocolError(RelayError):
+class LocalProtocolError(RelayError, errors.LocalProtocolError):
     """This side misused the protocol API (a bad field size, sending before authentication, ...)."""
 
 
-class RemoteProtocolError(RelayError):
+class RemoteProtocolError(RelayError, errors.RemoteProtocolError):
     """The other side broke the protocol."""
 
 
@@ -102,8 +105,7 @@ class FrameType(IntEnum):
 
 
 def _need(name: str, value: bytes, size: int) -> None:
-    if len(value) != size:
-        raise LocalProtocolError(f"{name} must be {size} bytes, got {len(value)}")
+    exact_bytes(name, value, size, prefixed(LocalProtocolError))
 
 
 def _need_text(text: str) -> None:
@@ -120,15 +122,27 @@ def _need_packet(data: bytes) -> None:
         raise LocalProtocolError(f"packet of {len(data)} bytes exceeds MAX_PACKET {MAX_PACKET}")
 
 
-def _exact(frame_type: FrameType, body: bytes, size: int) -> None:
-    if len(body) != size:
-        raise FrameTruncated(frame_type, len(body), f"exactly {size}")
+def _reader(frame_type: FrameType, body: bytes, expected: str) -> Reader:
+    """The shared frame reader over ``body``; running short or leaving bytes is a FrameTruncated saying ``expected``."""
+
+    def wrong_size(field: str, detail: str) -> FrameTruncated:
+        return FrameTruncated(frame_type, len(body), expected)
+
+    return Reader(body, truncated=wrong_size, trailing=wrong_size)
+
+
+def _fixed(frame_type: FrameType, body: bytes, *sizes: int) -> list[bytes]:
+    """The fields of a body made of fixed-size fields only, in order; any other body length is refused."""
+    r = _reader(frame_type, body, f"exactly {sum(sizes)}")
+    fields = [r.take(size, "body") for size in sizes]
+    r.finish()
+    return fields
 
 
 def _split_packet(frame_type: FrameType, body: bytes) -> tuple[PeerId, bytes]:
-    if len(body) < KEY_SIZE:
-        raise FrameTruncated(frame_type, len(body), f"at least {KEY_SIZE}")
-    return PeerId.from_public_bytes(body[:KEY_SIZE]), body[KEY_SIZE:]
+    r = _reader(frame_type, body, f"at least {KEY_SIZE}")
+    peer = PeerId.from_public_bytes(r.take(KEY_SIZE, "peer"))
+    return peer, r.rest("data")
 
 
 def _text(frame_type: FrameType, body: bytes) -> str:
@@ -160,8 +174,8 @@ class ServerChallenge:
 
     @classmethod
     def decode_body(cls, body: bytes) -> ServerChallenge:
-        _exact(cls.TYPE, body, NONCE_SIZE + KEY_SIZE)
-        return cls(body[:NONCE_SIZE], PeerId.from_public_bytes(body[NONCE_SIZE:]))
+        nonce, relay = _fixed(cls.TYPE, body, NONCE_SIZE, KEY_SIZE)
+        return cls(nonce, PeerId.from_public_bytes(relay))
 
 
 @dataclass(frozen=True)
@@ -180,8 +194,8 @@ class ClientAuth:
 
     @classmethod
     def decode_body(cls, body: bytes) -> ClientAuth:
-        _exact(cls.TYPE, body, KEY_SIZE + SIGNATURE_SIZE)
-        return cls(PeerId.from_public_bytes(body[:KEY_SIZE]), body[KEY_SIZE:])
+        peer, signature = _fixed(cls.TYPE, body, KEY_SIZE, SIGNATURE_SIZE)
+        return cls(PeerId.from_public_bytes(peer), signature)
 
 
 @dataclass(frozen=True)
@@ -195,7 +209,7 @@ class ServerAuthOk:
 
     @classmethod
     def decode_body(cls, body: bytes) -> ServerAuthOk:
-        _exact(cls.TYPE, body, 0)
+        _fixed(cls.TYPE, body)
         return cls()
 
 
@@ -287,8 +301,8 @@ class PeerGone:
 
     @classmethod
     def decode_body(cls, body: bytes) -> PeerGone:
-        _exact(cls.TYPE, body, KEY_SIZE)
-        return cls(PeerId.from_public_bytes(body))
+        [peer] = _fixed(cls.TYPE, body, KEY_SIZE)
+        return cls(PeerId.from_public_bytes(peer))
 
 
 @dataclass(frozen=True)
@@ -305,8 +319,8 @@ class _PingFrame:
 
     @classmethod
     def decode_body(cls, body: bytes) -> Self:
-        _exact(cls.TYPE, body, PING_SIZE)
-        return cls(body)
+        [nonce] = _fixed(cls.TYPE, body, PING_SIZE)
+        return cls(nonce)
 
 
 @dataclass(frozen=True)

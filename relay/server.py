@@ -30,6 +30,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
+from experts.errors import UsageError
 from p2p.identity import Identity, PeerId
 
 from .protocol import MAX_FRAME, NONCE_SIZE, SUBPROTOCOL, PeerGone, Pong, RecvPacket
@@ -341,7 +342,7 @@ def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     if cert is None and key is None:
         return None
     if cert is None or key is None:
-        raise ValueError("TLS needs both --tls-cert and --tls-key")
+        raise UsageError("TLS needs both --tls-cert and --tls-key; give both, or neither for plain ws://")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     return context

@@ -55,6 +55,7 @@ from itertools import count
 import numpy as np
 import structlog
 
+from experts.errors import LocalProtocolError
 from experts.forward import MoeCompute, MoeFfn
 from experts.rows import split_rows
 from node.backbone.dispatch import Pins, RemoteMoE
@@ -88,7 +89,7 @@ class Batch:
     members: list[Hashable] = field(default_factory=list)  # arrival order: the order of rows in the dispatch
 
 
-class BatchingError(Exception):
+class BatchingError(LocalProtocolError):
     """A member called out of turn (a layer other than the next one of its forward pass)."""
 
 

@@ -28,6 +28,7 @@ import structlog
 
 from experts import codecs
 from experts.codecs import Codec
+from experts.errors import MoeSwarmError
 from experts.moe import ExpertSource, combine, partial_sum
 from node.backbone.hot import HotExperts
 from node.backbone.routing import Host, Router
@@ -55,7 +56,7 @@ KEEP_RECENT = 100_000
 Pins = dict[tuple[int, tuple[int, int]], PeerId]
 
 
-class DispatchFailed(Exception):
+class DispatchFailed(MoeSwarmError):
     """A host could not answer a group; the caller moves on to the next candidate."""
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from experts.errors import UsageError
+
 
 class HotExperts:
     def __init__(self, n_layer: int, n_expert: int, budget: int, *, alpha: float = 0.1, refresh_every: int = 4) -> None:
         if not 0 <= budget <= n_expert:
-            raise ValueError(f"local expert budget {budget} must be between 0 and {n_expert} (experts per layer)")
+            raise UsageError(f"local expert budget {budget} must be between 0 and {n_expert} (experts per layer)")
         self.budget = budget
         self.alpha = alpha
         self.refresh_every = refresh_every

@@ -24,14 +24,13 @@ from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
-from p2p.identity import Identity
-
+from node.backbone.session import backbone_session, wait_for_hosts
 from node.cli.root import emit_json
+from node.cli.streaming import stream_tokens
 from node.launcher import Cluster
 from node.ledger.store import FILENAME
 from node.runtime import data_dir, load_identity
-from node.cli.streaming import stream_tokens
-from node.backbone.session import backbone_session, wait_for_hosts
+from p2p.identity import Identity
 
 LOOPBACK_DATAGRAM = 16384  # everything runs on loopback: large QUIC datagrams cut per-packet cost (docs/FIELD-NOTES.md)
 

@@ -10,7 +10,6 @@ from experts.errors import UsageError
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.random_model import SUPPORTED_QTYPES, random_config, write_random_model
 from experts.slices import check_slice, parse_range, write_slice
-
 from node.cli.options import parse_size
 from node.cli.root import emit_json
 

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-
-import click
-
 from contextlib import AsyncExitStack, asynccontextmanager
 
-from p2p.identity import Identity
-from relay.server import RelayServer, run_relay
+import click
 
 from node.cli.root import emit_json
 from node.runtime import data_dir as node_dir
 from node.runtime import load_identity, parse_hostport, until_stopped, write_ready
+from p2p.identity import Identity
+from relay.server import RelayServer, run_relay
 
 _PEM = click.Path(exists=True, dir_okay=False)
 

@@ -8,22 +8,21 @@ import click
 import structlog
 
 from experts.codecs import Codec
-from node.verdicts import default_wire
 from experts.embedded import EMBEDDED_MODEL
 from experts.forward import Backbone
 from experts.gguf_model import GGUFModel
 from experts.tokenizer import Tokenizer
-from p2p.identity import Identity
-
 from node.backbone.batching import DEFAULT_WINDOW_S, BatchingMoE
-from node.cli.options import parse_size
-from node.cli.options import bootstrap_opt, data_dir_opt, ready_opt
+from node.backbone.prefix_cache import PrefixCache
+from node.backbone.session import backbone_session, wait_for_hosts
+from node.cli.options import bootstrap_opt, data_dir_opt, parse_size, ready_opt
 from node.gateway.engine import Engine
 from node.gateway.server import Gateway
 from node.ledger.store import FILENAME
-from node.backbone.prefix_cache import PrefixCache
-from node.runtime import data_dir as node_dir, load_identity, parse_hostport, until_stopped, write_ready
-from node.backbone.session import backbone_session, wait_for_hosts
+from node.runtime import data_dir as node_dir
+from node.runtime import load_identity, parse_hostport, until_stopped, write_ready
+from node.verdicts import default_wire
+from p2p.identity import Identity
 
 log = structlog.get_logger("node.cli.serve")
 

@@ -9,21 +9,35 @@ from pathlib import Path
 import click
 
 from experts.codecs import Codec
-from node.verdicts import default_wire
 from experts.forward import Backbone
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.slices import parse_range
 from experts.tokenizer import Tokenizer
-
-from node.cli.root import LazyGroup, emit_json
-from node.cli.options import bootstrap_opt, data_dir_opt, parse_size, ready_opt
-from node.ledger.store import FILENAME
-from node.runtime import data_dir as node_dir, load_identity, parse_hostport
-from node.cli.streaming import stream_tokens
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bootstrap import run_bootstrap_node
+from node.cli.options import bootstrap_opt, data_dir_opt, parse_size, ready_opt
+from node.cli.root import LazyGroup, emit_json
+from node.cli.streaming import stream_tokens
+from node.ledger.store import FILENAME
+from node.runtime import data_dir as node_dir
+from node.runtime import load_identity, parse_hostport
+from node.verdicts import default_wire
 from node.worker.node import WorkerOptions, run_worker
+from p2p.records import MalformedRecord, check_quic_addr, check_relay_url
 
+
+def _record_field(check):
+    """A click callback that refuses a value the worker's DHT records could not carry, before anything starts."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                check(value)
+            except MalformedRecord as exc:
+                raise click.BadParameter(str(exc)) from None
+        return value
+
+    return callback
 
 
 @click.command("bootstrap")
@@ -47,7 +61,7 @@ def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ..
 @click.option("--layers", default=None, help="Layer range to host, e.g. 0-3 (default: all in the file).")
 @click.option("--experts", "experts_", default=None, help="Expert range to host, e.g. 0-31 (default: all in the file).")
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC dispatch (and reachability probes; with --relay use a routable or wildcard host, e.g. 0.0.0.0:0).")
-@click.option("--advertise", default=None, help="HOST:PORT to announce, if not the listen address (with --relay: only if the check finds this node public).")
+@click.option("--advertise", default=None, callback=_record_field(check_quic_addr), help="HOST:PORT to announce, if not the listen address (with --relay: only if the check finds this node public).")
 @click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT.")
 @bootstrap_opt
 @click.option("--memory-budget", default=None, help="RAM for dequantized experts (e.g. 512M); above it, dequantize on the fly.")
@@ -55,7 +69,7 @@ def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ..
 @click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
 @click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative).")
 @click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
-@click.option("--relay", default=None, help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable. The worker then checks its reachability against the DHT's helpers: public -> it also announces a direct QUIC address; behind NAT -> only the relay, and backbones hole-punch to it (not behind a symmetric NAT).")
+@click.option("--relay", default=None, callback=_record_field(check_relay_url), help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable. The worker then checks its reachability against the DHT's helpers: public -> it also announces a direct QUIC address; behind NAT -> only the relay, and backbones hole-punch to it (not behind a symmetric NAT).")
 @click.option("--reachability-recheck", "recheck_s", default=300.0, show_default=True, type=click.FloatRange(min=1), help="With --relay: seconds between reachability re-checks; a changed verdict is re-announced (e.g. after a port forward).")
 @click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay).")
 @data_dir_opt

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from experts.errors import MoeSwarmError
 from experts.generate import Sampling
 from experts.tokenizer import Tokenizer
 
@@ -33,7 +34,7 @@ MAX_STOP = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-class ApiError(Exception):
+class ApiError(MoeSwarmError):
     """A request the gateway refuses, with the HTTP status and OpenAI error fields to answer with."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str = "invalid_request_error") -> None:
@@ -42,6 +43,10 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# What a client learns of a 500: the exception text may hold paths, peer ids or prompts, so it stays in the log.
+INTERNAL_ERROR = ApiError(500, "internal error: the server could not complete this request; its log has the details", type="server_error")
 
 
 # --- requests -------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from node.backbone.dispatch import RemoteMoE
 from node.gateway.engine import Engine, QueueFull, Stream
-from node.gateway.openai import ApiError, Finished, Reply, check_model, model_card, parse_request, sse
+from node.gateway.openai import INTERNAL_ERROR, ApiError, Finished, Reply, check_model, model_card, parse_request, sse
 
 log = structlog.get_logger("node.gateway.server")
 
@@ -64,9 +64,9 @@ class Gateway:
         except web.HTTPException as exc:  # unknown path, wrong method, body too large
             err = ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=exc.reason.lower().replace(" ", "_"))
             return web.json_response(err.body(), status=exc.status)
-        except Exception as exc:
-            log.warning("gateway.request_failed", path=request.path, error=repr(exc))
-            return web.json_response(ApiError(500, f"internal error: {exc}", type="server_error").body(), status=500)
+        except Exception as exc:  # a bug or a failed dispatch: the traceback goes to our log, not to the client
+            log.error("gateway.request_failed", path=request.path, exc_info=exc)
+            return web.json_response(INTERNAL_ERROR.body(), status=500)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [model_card(self.model_name, self.created)]})
@@ -133,8 +133,8 @@ class Gateway:
             except ConnectionResetError:
                 raise
             except Exception as exc:  # the status line is gone: report in the stream, as OpenAI does
-                log.warning("gateway.stream_failed", error=repr(exc))
-                await resp.write(sse(ApiError(500, f"internal error: {exc}", type="server_error").body()))
+                log.error("gateway.stream_failed", id=reply.head["id"], exc_info=exc)
+                await resp.write(sse(INTERNAL_ERROR.body()))
             await resp.write(sse("[DONE]"))
             await resp.write_eof()
         except ConnectionResetError:  # the client left; the caller cancels the sequence

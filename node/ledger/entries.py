@@ -34,9 +34,8 @@ from functools import cached_property
 from typing import Any, NamedTuple, get_type_hints
 
 from experts.errors import UsageError
-from p2p.identity import Identity, IdentityError, PeerId
-
 from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, verify
+from p2p.identity import Identity, IdentityError, PeerId
 
 GENESIS = b"\0" * 32  # prev_hash of entry 1
 ENTRY_CONTEXT = b"moeswarm/ledger-entry/v1\0"

@@ -16,13 +16,14 @@ import json
 import struct
 from dataclasses import asdict, dataclass
 
+from experts.errors import RemoteProtocolError
 from p2p.identity import Identity, IdentityError, PeerId
 
 SIGNING_CONTEXT = b"moeswarm/receipt/v1\0"
 STAMP = struct.Struct("<Q64s")
 
 
-class ReceiptError(ValueError):
+class ReceiptError(RemoteProtocolError):
     """A receipt stamp is malformed or its signature does not match the receipt body."""
 
 

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import structlog
 
-from p2p.identity import Identity
-
-from node.ledger.store import Event, Ledger, LedgerError, ref_of
 from node.ledger.receipts import Receipt, ReceiptStamp
+from node.ledger.store import Event, Ledger, LedgerError, ref_of
+from p2p.identity import Identity
 
 log = structlog.get_logger("node.ledger.store")
 _STOP = object()

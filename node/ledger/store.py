@@ -20,14 +20,37 @@ from typing import IO
 
 import structlog
 
-from p2p.identity import Identity
-
 from node.ledger.entries import (  # noqa: F401  (re-exported: the ledger's public names)
-    APPLICATION_ID, COLUMNS, FORMAT_VERSION, GENESIS, RECEIPT_COLUMNS, RECEIPT_KINDS, RECEIPT_TYPES, ChainChecker, ChainError, DispatchRef, Entry,
-    EntryError, Event, Kind, LedgerError, ReplayError, Role, Status, TransitionError, VerifyReport, check_rules, countersign, decode_row,
-    head_bytes, ref_of, verify_countersignature, verify_signatures,
+    APPLICATION_ID,
+    COLUMNS,
+    FORMAT_VERSION,
+    GENESIS,
+    RECEIPT_COLUMNS,
+    RECEIPT_KINDS,
+    RECEIPT_TYPES,
+    ChainChecker,
+    ChainError,
+    DispatchRef,
+    Entry,
+    EntryError,
+    Event,
+    Kind,
+    LedgerError,
+    ReplayError,
+    Role,
+    Status,
+    TransitionError,
+    VerifyReport,
+    check_rules,
+    countersign,
+    decode_row,
+    head_bytes,
+    ref_of,
+    verify_countersignature,
+    verify_signatures,
 )  # fmt: skip
 from node.ledger.receipts import Receipt, ReceiptStamp, verify
+from p2p.identity import Identity
 
 log = structlog.get_logger("moeswarm.ledger")
 

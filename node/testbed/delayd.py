@@ -22,6 +22,7 @@ import time
 import structlog
 
 from node.logs import configure_logging
+
 from .errors import NetlinkError
 from .nfqueue import NETLINK_NETFILTER, Ack, DelayLine, Packet, Verdict, batch_verdict, bind_request, params_request, parse, verdict
 

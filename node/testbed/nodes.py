@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experts.embedded import EMBEDDED_MODEL
-
 from node.launcher import Cluster, NodeProcess
+
 from .errors import TestbedError
 from .netns import Testbed
 

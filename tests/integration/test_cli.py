@@ -65,3 +65,17 @@ def test_slice_of_a_different_model(files):
 def test_missing_file():
     """A path that does not exist is reported as such."""
     assert_one_line_error(run("inspect", "/nonexistent/model.gguf"), "does not exist")
+
+
+def test_bad_listen_address():
+    """An address that is not HOST:PORT is named, with the form it should take."""
+    assert_one_line_error(run("relay", "--listen", "nonsense"), "'nonsense'", "HOST:PORT")
+
+
+def test_key_file_readable_by_others(tmp_path):
+    """A key file other users can read is refused with the command that fixes it."""
+    key = tmp_path / "relay" / "key.pem"
+    key.parent.mkdir()
+    key.write_text("not a key")
+    key.chmod(0o644)
+    assert_one_line_error(run("relay", "--data-dir", str(key.parent)), "chmod 600")

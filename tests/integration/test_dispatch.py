@@ -15,12 +15,12 @@ from experts.forward import Backbone, KVCache, local_moe
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.moe import Partition, grouped_moe, partial_sum
 from experts.slices import ExpertStore
-from node.verdicts import record_verdict
 from node.backbone.dispatch import RemoteMoE
-from p2p.connector import Connector
 from node.cli.streaming import serial
+from node.verdicts import record_verdict
 from node.worker.service import Worker
 from p2p import wire
+from p2p.connector import Connector
 from p2p.discovery import InMemoryBoard, InMemoryDiscovery
 from p2p.identity import Identity
 from p2p.quic import Endpoint

@@ -20,9 +20,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from p2p import quic, tls
-from p2p.quic_aioquic import AuthQuicConnection
 from p2p.identity import Identity, PeerId
 from p2p.quic import Endpoint, ErrorCode
+from p2p.quic_aioquic import AuthQuicConnection
 from p2p.quic_events import EndpointEvent, PathClosed, PathOpened
 
 ROOT = Path(__file__).resolve().parents[2]

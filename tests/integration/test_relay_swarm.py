@@ -16,8 +16,8 @@ from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
-from node.launcher import Cluster
 from node.backbone.session import backbone_session, wait_for_hosts
+from node.launcher import Cluster
 from p2p.identity import Identity
 from tests.support import log_offset, wait_for_log
 

@@ -13,8 +13,8 @@ from experts.forward import Backbone
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.tokenizer import Tokenizer
-from node.launcher import Cluster
 from node.backbone.session import backbone_session, wait_for_hosts
+from node.launcher import Cluster
 from p2p.identity import Identity
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,9 @@ from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
-from node.verdicts import record_verdict
-from node.launcher import Cluster
 from node.backbone.session import backbone_session, wait_for_hosts
+from node.launcher import Cluster
+from node.verdicts import record_verdict
 from p2p.identity import Identity
 from tests.support import MOESWARM, until
 

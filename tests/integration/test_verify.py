@@ -10,7 +10,6 @@ import pytest
 from experts.codecs import Codec
 from experts.errors import CodecError
 from node.verdicts import require_verified
-
 from tests.support import moeswarm
 
 from ..conftest import make_model

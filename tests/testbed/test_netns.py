@@ -22,7 +22,6 @@ from tests.support import MOESWARM, until
 
 from .conftest import why_no_testbed
 
-
 pytestmark = [pytest.mark.skipif(why_no_testbed() is not None, reason=why_no_testbed() or ""), pytest.mark.timeout(120)]
 
 PORT = 9000

@@ -6,7 +6,8 @@ import random
 import struct
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from node.testbed.errors import NetlinkError, NetlinkFormatError, TestbedError
 from node.testbed.nfqueue import Ack, DelayLine, Packet, QueueMsg, Verdict, batch_verdict, bind_request, params_request, parse, verdict

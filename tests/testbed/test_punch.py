@@ -20,7 +20,6 @@ from p2p.reachability import NatKind
 
 from .conftest import why_no_testbed
 
-
 pytestmark = [pytest.mark.skipif(why_no_testbed() is not None, reason=why_no_testbed() or ""), pytest.mark.timeout(600)]
 
 ATTEMPTS = int(os.environ.get("MOESWARM_PUNCH_ATTEMPTS", "5"))

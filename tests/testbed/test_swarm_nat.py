@@ -8,7 +8,6 @@ find out what they are behind by themselves (no --relay-only).
 
 from __future__ import annotations
 
-
 import pytest
 
 from experts.embedded import EMBEDDED_MODEL

@@ -18,9 +18,9 @@ from experts.slices import ExpertStore
 from experts.speculative import speculative_generate
 from experts.tokenizer import Tokenizer
 from node.backbone.batching import BatchingError, BatchingMoE, LayerBatcher, Phase, affinity_groups
-from node.gateway.openai import CHAT_STOP, ApiError, Finished, Reply, StopMatcher, parse_job, parse_request, render_chat, sse
 from node.backbone.prefix_cache import PrefixCache
 from node.backbone.routing import Router
+from node.gateway.openai import CHAT_STOP, ApiError, Finished, Reply, StopMatcher, parse_job, parse_request, render_chat, sse
 from p2p.identity import Identity
 from p2p.records import HostedSlice, HostRecord
 

@@ -16,11 +16,28 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.ledger.store import (
-    COLUMNS, GENESIS, ChainChecker, ChainError, DispatchRef, Entry, EntryError, Event, Kind, Ledger, LedgerError,
-    ReplayError, Role, Status, TransitionError, countersign, decode_row, ref_of, verify_countersignature,
-)  # fmt: skip
 from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, sign, work_units
+from node.ledger.store import (
+    COLUMNS,
+    GENESIS,
+    ChainChecker,
+    ChainError,
+    DispatchRef,
+    Entry,
+    EntryError,
+    Event,
+    Kind,
+    Ledger,
+    LedgerError,
+    ReplayError,
+    Role,
+    Status,
+    TransitionError,
+    countersign,
+    decode_row,
+    ref_of,
+    verify_countersignature,
+)  # fmt: skip
 from p2p.identity import Identity
 from tests.support import FakeClock
 

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experts.moe import TILE, Partition, combine, expert_ffn, grouped_moe, ordered_sum, partial_sum, route, ExpertSource
+from experts.moe import TILE, ExpertSource, Partition, combine, expert_ffn, grouped_moe, ordered_sum, partial_sum, route
 
 
 class RandomExperts(ExpertSource):

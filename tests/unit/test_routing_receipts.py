@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, sign, verify, work_units
 from node.backbone.routing import Router
+from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, sign, verify, work_units
 from p2p.identity import Identity
 from p2p.records import HostedSlice, HostRecord
 

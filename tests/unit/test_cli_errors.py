@@ -1,0 +1,51 @@
+"""The CLI's error policy: a UsageError is one ``error:`` line and exit 2; anything else keeps its traceback."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from experts.errors import UsageError
+from node.cli.root import LazyGroup
+from node.runtime import parse_hostport
+
+
+@click.group(cls=LazyGroup)
+def cli() -> None:
+    """A root with the real error policy and two commands that fail."""
+
+
+@cli.command("mistake")
+def mistake_cmd() -> None:
+    raise UsageError("the file x.gguf does not exist; check the path")
+
+
+@cli.command("bug")
+def bug_cmd() -> None:
+    raise ValueError("an internal invariant broke")
+
+
+def test_usage_error_is_one_line_and_exit_2():
+    """A UsageError prints exactly its message after ``error:`` on stderr and exits with 2."""
+    result = CliRunner().invoke(cli, ["mistake"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == ["error: the file x.gguf does not exist; check the path"]
+    assert result.stdout == ""
+
+
+def test_plain_value_error_keeps_its_traceback_and_exits_1():
+    """A ValueError is a bug: it is not reworded as a user error, it propagates (traceback, exit 1)."""
+    result = CliRunner().invoke(cli, ["bug"])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, ValueError)
+    assert "error:" not in result.output
+    with pytest.raises(ValueError, match="internal invariant"):
+        CliRunner().invoke(cli, ["bug"], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("text", ["4433", "localhost", "127.0.0.1:http", ""])
+def test_bad_host_port_is_a_usage_error(text):
+    """An address that is not HOST:PORT is the user's to fix: a UsageError that shows the expected form."""
+    with pytest.raises(UsageError, match="must be HOST:PORT, e.g. 127.0.0.1:4433"):
+        parse_hostport(text)
