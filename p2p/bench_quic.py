@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import structlog
 from aioquic.quic import events
+from aioquic.quic.connection import stream_is_client_initiated
 
 from p2p.identity import Identity, PeerId
 from p2p.quic import Endpoint
@@ -65,7 +66,7 @@ class FramedEndpoint(Endpoint):
         while len(buf) >= _LENGTH and len(buf) >= _LENGTH + (size := int.from_bytes(buf[:_LENGTH], "big")):
             message = bytes(buf[_LENGTH : _LENGTH + size])
             del buf[: _LENGTH + size]
-            if conn.is_local(event.stream_id):
+            if stream_is_client_initiated(event.stream_id) == (conn.expected is not None):  # we opened it: a reply
                 framing.waiters.popleft().set_result(message)
             else:
                 self._spawn(self._answer(conn, event.stream_id, message))

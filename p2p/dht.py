@@ -163,7 +163,7 @@ class _Node:
         self.client_mode, self.lookup_timeout, self.clock = client_mode, lookup_timeout, clock
         self.announcer = Announcer(identity, ttl=ttl)
         self.ttl = ttl
-        self.helper: Publication | None = None  # our helper record (or its tombstone), refreshed like the others
+        self.helper: Publication[HelperRecord] | None = None  # our helper record (or its tombstone), refreshed like the others
         self.multiaddrs: list[str] = []
         self.pacer = ProvidePacer()
         self.provided: dict[bytes, tuple[int, float]] = {}  # provider key -> (epoch, when sent)
@@ -292,7 +292,11 @@ class _Node:
             if quic_addr is None and (held is None or now >= held.record.expires_at):
                 self.helper = None  # nothing live to replace
                 return
-            ttl = self.ttl if quic_addr else held.record.expires_at - int(now)
+            if quic_addr:
+                ttl = self.ttl
+            else:
+                assert held is not None  # a withdrawal with nothing held returned above
+                ttl = held.record.expires_at - int(now)
             seq = max(int(now * 1000), held.record.seq + 1 if held else 0)
             self.helper = Publication(*issue_helper(self.identity, quic_addr, now=now, ttl=ttl, seq=seq))
             ok = await self._publish([self.helper])
@@ -311,9 +315,10 @@ class _Node:
         at = self._helper_refresh_at()
         if at is None or not (everything or self.clock() >= at):
             return []
-        now = self.clock()
-        seq = max(int(now * 1000), self.helper.record.seq + 1)
-        addr = self.helper.record.quic_addr
+        now, helper = self.clock(), self.helper
+        assert helper is not None  # _helper_refresh_at is None without one
+        seq = max(int(now * 1000), helper.record.seq + 1)
+        addr = helper.record.quic_addr
         self.helper = Publication(*issue_helper(self.identity, addr, now=now, ttl=self.ttl, seq=seq))
         return [self.helper]
 

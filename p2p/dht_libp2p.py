@@ -71,7 +71,7 @@ def _import_libp2p() -> SimpleNamespace:
     patched = QuicStreamSender.get_frame
     if getattr(patched, "_libp2p_keep_pending_fin", False):  # libp2p's mark on its replacement
         # The replacement closes over the original, whichever module imported libp2p first.
-        QuicStreamSender.get_frame = inspect.getclosurevars(patched).nonlocals["original"]
+        setattr(QuicStreamSender, "get_frame", inspect.getclosurevars(patched).nonlocals["original"])  # noqa: B010  (mypy: no method assignment)
         log.debug("dht.aioquic_patch_reverted")
     logging.getLogger("libp2p").addHandler(ToStructlog(logging.WARNING))
 

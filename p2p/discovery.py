@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import structlog
 
@@ -25,6 +25,7 @@ from p2p.identity import Identity, PeerId
 from p2p.records import (
     MAX_LIFETIME,
     HostedSlice,
+    HelperRecord,
     HostRecord,
     RecordError,
     decode_and_validate,
@@ -77,11 +78,14 @@ def live_hosts(records: Iterable[HostRecord], model_digest: str, layer: int, now
     return sorted((r for r in newest.values() if r.is_live(now)), key=lambda r: r.peer_id)
 
 
-@dataclass(frozen=True)
-class Publication:
-    """A signed record to put under its key."""
+R = TypeVar("R", HostRecord, HelperRecord)
 
-    record: HostRecord
+
+@dataclass(frozen=True)
+class Publication(Generic[R]):
+    """A signed record (a host's or a helper's) to put under its key."""
+
+    record: R
     value: bytes
 
     @property

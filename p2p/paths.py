@@ -130,7 +130,7 @@ class PathTable:
             path.retry_at = now + self.backoff.delay(path.failures - 1)
         path.direct = direct if target is PathState.DIRECT else None
         path.state, path.since, path.reason = target, now, reason
-        fields = {"peer": str(peer), "from_state": str(previous), "to_state": str(target), "reason": reason}
+        fields: dict[str, object] = {"peer": str(peer), "from_state": str(previous), "to_state": str(target), "reason": reason}
         if direct is not None:
             fields["addr"] = f"{direct[0]}:{direct[1]}"
         if target is PathState.RELAY:

@@ -202,9 +202,9 @@ class _Capabilities(_Message):
 
     @staticmethod
     def _small_ints(field: str, values: object, lo: int) -> tuple[int, ...]:
-        values = tuple(values)  # type: ignore[arg-type]
-        count_field(field, len(values), 1, 255)
-        return tuple(int(int_field(field, v, lo, 255)) for v in values)
+        items: tuple[object, ...] = tuple(values)  # type: ignore[arg-type]  # not iterable: TypeError, as before
+        count_field(field, len(items), 1, 255)
+        return tuple(int(int_field(field, v, lo, 255)) for v in items)
 
     def _body_parts(self) -> tuple[bytes, ...]:
         lists = (len(self.versions), *self.versions, len(self.codecs), *self.codecs, len(self.models))

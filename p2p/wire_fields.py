@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum
+from typing import TypeVar
 from typing import ClassVar
 
 from experts.errors import RemoteProtocolError
@@ -102,9 +103,12 @@ def bytes_field(field: str, value: object, lo: int, limit: int) -> bytes:
     return value
 
 
-def enum_field(enum: type[IntEnum], field: str, value: object, error: type[InvalidField] = InvalidField) -> IntEnum:
+E = TypeVar("E", bound=IntEnum)
+
+
+def enum_field(enum: type[E], field: str, value: object, error: type[InvalidField] = InvalidField) -> E:
     try:
-        return enum(value)
+        return enum(value)  # type: ignore[arg-type]  # any value: the enum itself refuses what it does not know
     except ValueError:
         raise error(field, f"{value!r} is not a known {enum.__name__}") from None
 
