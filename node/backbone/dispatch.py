@@ -33,13 +33,14 @@ from experts.verify import require_verified
 from p2p import wire
 from p2p.discovery import Discovery
 from p2p.identity import PeerId
+from p2p.pathkind import Path
 from p2p.quic import Endpoint, TransportError
 from p2p.nat import NatTraversal, path_of
 from relay.client import RelayClient, RelayPath, RelayUnavailable, attach
 
 from node.backbone.hot import HotExperts
 from node.ledger.sink import LedgerSink
-from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, digest, verify, work_units
+from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, build_receipt, verify, verify_on_either_path
 from node.backbone.routing import Host, Router
 from node.backbone.spotcheck import SpotChecker, compare
 
@@ -70,7 +71,7 @@ class Dispute:
 class DispatchRecord:
     layer: int
     peer: str
-    path: str
+    path: Path
     n_tokens: int
     bytes_out: int
     bytes_back: int
@@ -305,7 +306,7 @@ class RemoteMoE:
                 raise DispatchFailed(f"bad partial sums: {exc}") from None
             if not np.isfinite(sums).all():
                 raise DispatchFailed("partial sums are not finite")
-            receipt, stamp = await self._check_receipt(host, req, data, msg, raw, path)
+            receipt, stamp = await self._check_receipt(host, req, data, msg, path)
             ok = True
         finally:
             latency = (time.perf_counter() - t0) * 1e3
@@ -345,45 +346,34 @@ class RemoteMoE:
         log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=receipt.dispatch_id, layer=layer, max_abs_diff=result.max_abs_diff, min_cosine=result.min_cosine, banned_s=ban)
         return want
 
-    async def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, raw: bytes, path: str) -> tuple[Receipt, ReceiptStamp]:
+    async def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, path: Path) -> tuple[Receipt, ReceiptStamp]:
         """Rebuild the receipt the worker signed and check its signature.
 
         The price comes from the worker's DHT record; a worker that re-priced since our cached
         lookup signs its new price, so on a mismatch the record is fetched again once. The path
-        is what each side sees of its own connection; in the instant a punched path takes over
-        the two can disagree, so the other path name is tried too.
+        is what each side sees of its own connection (see ``verify_on_either_path``).
         """
-        ids = np.asarray(req.expert_ids)
-        held = ids >= 0
         try:
             stamp = ReceiptStamp.decode(msg.receipt)
         except ReceiptError as exc:
             raise DispatchFailed(f"receipt rejected: {exc}") from None
-        receipt = Receipt(
-            dispatch_id=req.dispatch_id.hex(),
+        receipt = build_receipt(
+            data,
+            req,
+            msg,
             backbone=str(self.endpoint.peer_id),
             worker=str(host.peer_id),
             model_digest=self.model_digest,
-            layer=req.layer,
-            expert_ids=tuple(int(e) for e in np.unique(ids[held])),
-            n_tokens=req.n_tokens,
-            work_units=work_units(int(held.sum()), self.n_embd, self.n_ff_exp),
-            bytes_in=len(data),
-            bytes_out=len(raw),
-            codec=self.codec.name.lower(),
+            n_embd=self.n_embd,
+            n_ff_exp=self.n_ff_exp,
             path=path,
-            issued_at_us=stamp.issued_at_us,
             price=host.price,
-            request_digest=digest(data),
-            result_digest=digest(msg.partial),
+            issued_at_us=stamp.issued_at_us,
         )
-        first_error: ReceiptError | None = None
-        for candidate in (receipt, dataclasses.replace(receipt, path="relay" if path == "direct" else "direct")):
-            try:
-                verify(candidate, stamp)
-                return candidate, stamp
-            except ReceiptError as exc:
-                first_error = first_error or exc
+        try:
+            return verify_on_either_path(receipt, stamp), stamp
+        except ReceiptError as exc:
+            first_error = exc
         invalidate = getattr(self.discovery, "invalidate", None)
         if invalidate:
             invalidate(self.model_digest, req.layer)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from experts.moe import Partition
 from p2p.identity import PeerId
+from p2p.pathkind import Path
 from p2p.records import HostRecord, RelayAddress
 
 DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones
@@ -54,9 +55,9 @@ class Host:
     relay: RelayAddress | None = None
 
     @property
-    def path(self) -> str:
+    def path(self) -> Path:
         """Path policy: publicly reachable hosts are dialled directly, NAT-bound ones through their relay."""
-        return "direct" if self.addr is not None else "relay"
+        return Path.DIRECT if self.addr is not None else Path.RELAY
 
     @classmethod
     def from_record(cls, r: HostRecord) -> Host | None:

@@ -25,9 +25,10 @@ from experts.moe import partial_sum
 from experts.slices import ExpertStore
 from p2p import wire
 from p2p.identity import Identity, PeerId
+from p2p.pathkind import Path
 
 from node.ledger.sink import LedgerSink
-from node.ledger.receipts import Receipt, digest, sign, work_units
+from node.ledger.receipts import STAMP, build_receipt, sign, work_units
 
 log = structlog.get_logger("node.worker.service")
 # Batches up to this much work (expert-token FLOPs, see receipts.work_units) are computed on the event loop: a
@@ -76,7 +77,7 @@ class Worker:
         self.model_digest = store.model.digest
         self._model_id = wire.model_id_of(bytes.fromhex(self.model_digest))
         self.price = price
-        self.path_of = path_of or (lambda peer: "direct")
+        self.path_of = path_of or (lambda peer: Path.DIRECT)
         self.ledger = ledger
         self.stats = WorkerStats()
         self._pending: dict[int, list[_Job]] = {}
@@ -126,28 +127,22 @@ class Worker:
         sums = await self._compute(req.layer, x, ids, w, held)
         payload = codecs.encode(codec, sums)
         compute_us = int((time.perf_counter() - t0) * 1e6)
-        receipt = Receipt(
-            dispatch_id=req.dispatch_id.hex(),
+        unsigned = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, bytes(STAMP.size))
+        receipt = build_receipt(
+            data,
+            req,
+            unsigned,
             backbone=str(peer),
             worker=str(self.identity.peer_id),
             model_digest=self.model_digest,
-            layer=req.layer,
-            expert_ids=tuple(int(e) for e in np.unique(ids[held])),
-            n_tokens=req.n_tokens,
-            work_units=work_units(int(held.sum()), cfg.n_embd, cfg.n_ff_exp),
-            bytes_in=len(data),
-            bytes_out=0,  # filled below: the reply's size depends on nothing the signature covers but this
-            codec=codec.name.lower(),
+            n_embd=cfg.n_embd,
+            n_ff_exp=cfg.n_ff_exp,
             path=self.path_of(peer),
-            issued_at_us=time.time_ns() // 1000,
             price=self.price,
-            request_digest=digest(data),
-            result_digest=digest(payload),
+            issued_at_us=time.time_ns() // 1000,
         )
-        reply = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, b"\0" * 72)
-        receipt = _with_bytes_out(receipt, reply.encoded_len())
         stamp = sign(self.identity, receipt)
-        reply = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, stamp.encode())
+        reply = dataclasses.replace(unsigned, receipt=stamp.encode())
         if self.ledger:
             self.ledger.receipt(receipt, stamp)
         self.stats.dispatches += 1
@@ -194,8 +189,3 @@ class Worker:
         finally:
             self._running.discard(layer)
 
-
-def _with_bytes_out(r: Receipt, n: int) -> Receipt:
-    from dataclasses import replace
-
-    return replace(r, bytes_out=n)
