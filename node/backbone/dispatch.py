@@ -56,6 +56,10 @@ class DispatchFailed(Exception):
     """A host could not answer a group; the caller moves on to the next candidate."""
 
 
+class HostDraining(DispatchFailed):
+    """The host refused with DRAINING: it is shutting down, did no work, and takes none until it is back."""
+
+
 @dataclass(frozen=True)
 class Dispute:
     """A receipt whose result failed a spot check: unpaid, with the evidence."""
@@ -260,6 +264,9 @@ class RemoteMoE:
                 if pins is not None:
                     pins[key] = host.peer_id
                 return sums
+            except HostDraining as exc:
+                self.router.leaving(host.peer_id, time.monotonic())
+                log.info("dispatch.redirected", peer=str(host.peer_id), layer=layer, reason=str(exc))
             except DispatchFailed as exc:
                 backoff = self.router.failed(host.peer_id, time.monotonic())
                 log.warning("dispatch.failed", peer=str(host.peer_id), layer=layer, reason=str(exc), benched_s=backoff)
@@ -283,7 +290,7 @@ class RemoteMoE:
         data = req.encode()
         self.router.started(host.peer_id)
         t0 = time.perf_counter()
-        ok, reply_len, path = False, 0, host.path
+        ok, reply_len, path, refused = False, 0, host.path, False
         try:
             try:
                 addr = host.addr or await self._relay_address(host)
@@ -297,7 +304,8 @@ class RemoteMoE:
             except wire.ProtocolError as exc:
                 raise DispatchFailed(f"malformed reply: {exc}") from None
             if isinstance(msg, wire.ErrorReply):
-                raise DispatchFailed(f"worker error {msg.code.name}: {msg.message}")
+                refused = msg.code is wire.ErrorCode.DRAINING
+                raise (HostDraining if refused else DispatchFailed)(f"worker error {msg.code.name}: {msg.message}")
             if not isinstance(msg, wire.DispatchReply) or msg.dispatch_id != req.dispatch_id or msg.n_tokens != n:
                 raise DispatchFailed("reply does not answer this dispatch")
             try:
@@ -310,7 +318,8 @@ class RemoteMoE:
             ok = True
         finally:
             latency = (time.perf_counter() - t0) * 1e3
-            self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok))
+            if not refused:  # a draining host's refusal is no dispatch: it did no work, the group goes elsewhere
+                self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok))
             log.info("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
         compute_ms = msg.compute_us / 1e3
         self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0))

@@ -16,6 +16,7 @@ from p2p.identity import PeerId
 from p2p.pathkind import Path
 from p2p.records import HostRecord, RelayAddress
 
+LEAVING_S = 60.0  # longer than a drain (withdraw, then finish within its deadline); a worker restarted under the same key is used again after it
 DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones
 EWMA = 0.2
 BACKOFF_S = (1.0, 60.0)
@@ -135,6 +136,12 @@ class Router:
         """Give *peer* no work for *seconds* (a spot check caught it)."""
         h = self.health[peer]
         h.banned_until = max(h.banned_until, now + seconds)
+
+    def leaving(self, peer: PeerId, now: float) -> None:
+        """*peer* refused because it is draining (shutting down): no work for ``LEAVING_S``, no failure counted."""
+        h = self.health[peer]
+        h.inflight -= 1
+        h.banned_until = max(h.banned_until, now + LEAVING_S)
 
     def failed(self, peer: PeerId, now: float) -> float:
         """Bench the host; returns for how long (doubling per consecutive failure)."""

@@ -49,6 +49,10 @@ class ComputeFailed(wire.ProtocolError):
     error_code = wire.ErrorCode.INTERNAL
 
 
+class Draining(wire.ProtocolError):
+    error_code = wire.ErrorCode.DRAINING
+
+
 @dataclass
 class _Job:
     x: np.ndarray
@@ -70,8 +74,9 @@ class WorkerStats:
 class Worker:
     """Dispatch handler over an :class:`ExpertStore`; plug ``handle`` into a QUIC endpoint."""
 
-    def __init__(self, identity: Identity, store: ExpertStore, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK) -> None:
+    def __init__(self, identity: Identity, store: ExpertStore, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK, delay: float = 0.0) -> None:
         self.identity = identity
+        self.delay = delay  # test only: seconds every dispatch waits before it computes (to hold dispatches in flight)
         self.inline_work = inline_work
         self.store = store
         self.model_digest = store.model.digest
@@ -83,9 +88,21 @@ class Worker:
         self._pending: dict[int, list[_Job]] = {}
         self._running: set[int] = set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="experts")
+        self.refusing = False  # draining: new dispatch requests get ErrorCode.DRAINING
+        self.in_flight = 0  # dispatch requests accepted and not yet answered
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def refuse_new(self) -> None:
+        """From now on answer dispatch requests with DRAINING (pings still get their pong)."""
+        self.refusing = True
+
+    async def idle(self) -> None:
+        """Return once no dispatch is in flight (their replies handed to the endpoint)."""
+        await self._idle.wait()
 
     async def handle(self, peer: PeerId, data: bytes) -> bytes:
         """One request message in, one reply message out; bad input gets an ErrorReply, never an exception."""
@@ -97,7 +114,16 @@ class Worker:
                 return wire.Pong.answering(msg).encode()
             if not isinstance(msg, wire.DispatchRequest):
                 raise wire.InvalidField("type", f"a worker answers DispatchRequest and Ping, not {type(msg).__name__}")
-            reply = await self._dispatch(peer, msg, data, t0)
+            if self.refusing:
+                raise Draining("type", "this worker is shutting down and withdrew its records; ask another replica")
+            self.in_flight += 1
+            self._idle.clear()
+            try:
+                reply = await self._dispatch(peer, msg, data, t0)
+            finally:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self._idle.set()
         except (wire.ProtocolError, CodecError) as exc:
             self.stats.errors += 1
             log.warning("dispatch.refused", peer=str(peer), error=str(exc), bytes_in=len(data))
@@ -124,6 +150,9 @@ class Worker:
         if not np.isfinite(x).all():
             raise wire.InvalidField("hidden", "hidden states hold NaN or infinity")
         w = np.asarray(req.router_weights, dtype=np.float32).reshape(req.n_tokens, req.top_k)
+        if self.delay:
+            log.info("dispatch.delayed", peer=str(peer), dispatch_id=req.dispatch_id.hex(), seconds=self.delay)
+            await asyncio.sleep(self.delay)
         sums = await self._compute(req.layer, x, ids, w, held)
         payload = codecs.encode(codec, sums)
         compute_us = int((time.perf_counter() - t0) * 1e6)
