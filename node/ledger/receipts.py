@@ -50,7 +50,7 @@ class Receipt:
     bytes_in: int
     bytes_out: int
     codec: str
-    path: str  # a p2p.pathkind.Path ("direct" | "relay"; str-valued, so the signed JSON holds its text)
+    path: str  # the value of a p2p.pathkind.Path: "direct" | "relay"
     issued_at_us: int  # worker clock when it answered
     price: int  # per work unit, from the worker's record
     request_digest: str
@@ -117,7 +117,7 @@ def build_receipt(
         bytes_in=len(request),
         bytes_out=replace(reply, receipt=bytes(STAMP.size)).encoded_len(),
         codec=req.codec.name.lower(),
-        path=path,
+        path=path.value,  # plain text: the ledger stores and checks exact str fields
         issued_at_us=issued_at_us,
         price=price,
         request_digest=digest(request),
@@ -155,7 +155,7 @@ def verify_on_either_path(receipt: Receipt, stamp: ReceiptStamp) -> Receipt:
         verify(receipt, stamp)
         return receipt
     except ReceiptError as first:
-        other = replace(receipt, path=Path(receipt.path).other)
+        other = replace(receipt, path=Path(receipt.path).other.value)
         try:
             verify(other, stamp)
         except ReceiptError:
