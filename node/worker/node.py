@@ -204,7 +204,13 @@ class WorkerNode:
             log.warning("worker.withdraw_failed", error=repr(exc))
 
     async def drain(self) -> None:
-        """Stop gracefully: withdraw the records, refuse new dispatches, finish those in flight (within the deadline)."""
+        """Stop gracefully: withdraw the records, refuse new dispatches, finish those in flight (within the deadline).
+
+        Records go first, so backbones stop finding us while we still serve; requests that arrive after that (from
+        a backbone's cached lookup) get ``ErrorCode.DRAINING`` and go to another replica. "Finished" means the
+        reply was handed to QUIC: the endpoint has no flush yet, so a reply larger than the congestion window at
+        close could still be cut (decode replies are a few KB).
+        """
         self.lifecycle.move(State.DRAINING)
         log.info("worker.draining", peer=str(self.identity.peer_id), in_flight=self.worker.in_flight, deadline_s=self.opts.drain_timeout)
         self._cancel_tasks()

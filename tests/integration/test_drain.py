@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import structlog
 
+from experts.embedded import EMBEDDED_MODEL
 from experts.forward import Backbone
 from experts.generate import generate
+from experts.gguf_model import GGUFModel
 from experts.moe import Partition
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
@@ -19,10 +21,15 @@ from node.launcher import Cluster, NodeProcess
 from p2p.identity import Identity, PeerId
 
 from .test_punch_loopback import until
-from .test_swarm import N_TOKENS, local_run, model  # noqa: F401  (model: the module's fixture)
+from .test_swarm import N_TOKENS, local_run
 
 pytestmark = pytest.mark.slow
 DELAY_S = 8.0  # the victim holds each dispatch this long: longer than its withdrawal, so the drain starts mid-dispatch
+
+
+@pytest.fixture(scope="module")
+def model() -> GGUFModel:
+    return GGUFModel(EMBEDDED_MODEL)
 
 
 def events(node: NodeProcess, name: str) -> list[dict]:
@@ -38,7 +45,7 @@ def events(node: NodeProcess, name: str) -> list[dict]:
     return found
 
 
-def test_sigterm_with_a_dispatch_in_flight_loses_nothing(model, tmp_path):  # noqa: F811
+def test_sigterm_with_a_dispatch_in_flight_loses_nothing(model, tmp_path):
     """Two replicas; SIGTERM to one while it computes a dispatch: that dispatch is answered (with a valid receipt), a
     request sent during the drain is refused and goes to the other replica, no dispatch fails, the tokens equal the
     local run, and the worker exits 0 after logging draining with the dispatch in flight."""
