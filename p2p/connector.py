@@ -3,7 +3,7 @@
 The dispatcher only says *whom* to ask (peer id, the direct address and relay from the peer's record) and gets
 the reply bytes and the path they came on. Everything about reaching the peer lives here: one relay client per
 relay URL (kept for the session), the hole punch started at a relayed peer's first request, and the path
-actually used ("direct" for a dialled address or a punched connection, "relay" otherwise).
+actually used (``Path.DIRECT`` for a dialled address or a punched connection, ``Path.RELAY`` otherwise).
 
 ``relay.client`` builds on :mod:`p2p` (not the other way round), so the composition root hands in a
 ``RelayRouteFactory`` that makes a ``relay.client.RelayPath`` for a URL; this module only knows its shape.
@@ -17,6 +17,7 @@ from typing import Protocol
 
 from p2p.identity import PeerId
 from p2p.nat import NatTraversal, path_of
+from p2p.pathkind import Path
 from p2p.quic import Endpoint
 from p2p.quic_errors import TransportError
 from p2p.records import RelayAddress
@@ -56,7 +57,7 @@ class Unreachable(TransportError):
 @dataclass(frozen=True)
 class Reply:
     data: bytes
-    path: str  # "direct" | "relay": what this side's connection to the peer used
+    path: Path  # what this side's connection to the peer used
 
 
 class Connector:
@@ -75,7 +76,7 @@ class Connector:
     async def request(self, peer: PeerId, direct: Address | None, relay: RelayAddress | None, data: bytes, *, timeout: float) -> Reply:
         """Send ``data`` to ``peer`` and return its reply; raises a ``TransportError`` (``Unreachable`` included)."""
         if direct is not None:
-            return Reply(await self.endpoint.request(direct, peer, data, timeout=timeout), "direct")
+            return Reply(await self.endpoint.request(direct, peer, data, timeout=timeout), Path.DIRECT)
         if relay is None:
             raise Unreachable(f"{peer} announces neither a direct address nor a relay")
         addr = await self._relayed_address(peer, relay, timeout)

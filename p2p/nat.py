@@ -16,16 +16,16 @@ from __future__ import annotations
 from p2p.holepunch import HolePunch
 from p2p.holepunch_edge import PathManager
 from p2p.identity import Identity, PeerId
+from p2p.pathkind import Path
 from p2p.quic import Endpoint
 from p2p.reachability import NatKind, Reachability, ReachabilityConfig, Verdict
 from p2p.reachability_edge import PeerList, ReachabilityService
 from p2p.udp_edge import EndpointTap, RelayLink
 
 
-def path_of(endpoint: Endpoint, peer: PeerId) -> str:
-    """"direct" when the connection requests to *peer* use has an IP address, else "relay"."""
-    addr = endpoint.connections().get(peer)
-    return "relay" if addr is None or str(addr[0]).startswith("relay:") else "direct"
+def path_of(endpoint: Endpoint, peer: PeerId) -> Path:
+    """DIRECT when the connection requests to *peer* use has an IP address, else RELAY."""
+    return Path.of_address(endpoint.connections().get(peer))
 
 
 def announced_address(verdict: Verdict, configured: str | None) -> str | None:
@@ -75,7 +75,7 @@ class NatTraversal:
             self.manager = PathManager(self.tap, relay, punch, verdict=lambda: self.verdict, auto=initiate)
         return self.manager
 
-    def path(self, peer: PeerId) -> str:
+    def path(self, peer: PeerId) -> Path:
         return path_of(self.endpoint, peer)
 
     async def close(self) -> None:

@@ -28,6 +28,7 @@ class ErrorCode(IntEnum):
     TOO_LARGE = 6
     OVERLOADED = 7
     INTERNAL = 8
+    DRAINING = 9  # the worker is shutting down: it withdrew its records; ask another replica
 
 
 class ProtocolError(RemoteProtocolError):

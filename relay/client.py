@@ -30,6 +30,7 @@ from websockets.typing import Subprotocol
 from experts.errors import MoeSwarmError
 from p2p import backoff
 from p2p.identity import Identity, PeerId
+from p2p.pathkind import RELAY_HOST_PREFIX
 
 from .protocol import MAX_FRAME, SUBPROTOCOL, SendPacket
 from .session import (
@@ -319,7 +320,7 @@ class RelayPath:
 
 def virtual_address(peer: PeerId) -> Address:
     """A relayed peer's address: not an IP, so an endpoint never sends it to its UDP socket."""
-    return (f"relay:{peer}", 0)
+    return (f"{RELAY_HOST_PREFIX}{peer}", 0)
 
 
 def attach(endpoint: _Endpoint, client: RelayClient) -> RelayPath:

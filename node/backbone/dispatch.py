@@ -37,15 +37,16 @@ from node.ledger.receipts import (
     Receipt,
     ReceiptError,
     ReceiptStamp,
-    digest,
+    build_receipt,
     verify,
-    work_units,
+    verify_on_either_path,
 )
 from node.ledger.sink import LedgerSink
 from p2p import wire
 from p2p.connector import Connector
 from p2p.discovery import Discovery
 from p2p.identity import PeerId
+from p2p.pathkind import Path
 from p2p.quic import TransportError
 
 log = structlog.get_logger("node.backbone.dispatch")
@@ -58,6 +59,10 @@ Pins = dict[tuple[int, tuple[int, int]], PeerId]
 
 class DispatchFailed(MoeSwarmError):
     """A host could not answer a group; the caller moves on to the next candidate."""
+
+
+class HostDraining(DispatchFailed):
+    """The host refused with DRAINING: it is shutting down, did no work, and takes none until it is back."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class Dispute:
 class DispatchRecord:
     layer: int
     peer: str
-    path: str
+    path: Path
     n_tokens: int
     bytes_out: int
     bytes_back: int
@@ -235,6 +240,9 @@ class RemoteMoE:
                 if pins is not None:
                     pins[key] = host.peer_id
                 return sums
+            except HostDraining as exc:
+                self.router.leaving(host.peer_id, time.monotonic())
+                log.info("dispatch.redirected", peer=str(host.peer_id), layer=layer, reason=str(exc))
             except DispatchFailed as exc:
                 backoff = self.router.failed(host.peer_id, time.monotonic())
                 log.warning("dispatch.failed", peer=str(host.peer_id), layer=layer, reason=str(exc), benched_s=backoff)
@@ -258,7 +266,7 @@ class RemoteMoE:
         data = req.encode()
         self.router.started(host.peer_id)
         t0 = time.perf_counter()
-        ok, reply_len, path = False, 0, host.path
+        ok, reply_len, path, refused = False, 0, host.path, False
         try:
             try:
                 reply = await self.connector.request(host.peer_id, host.addr, host.relay, data, timeout=self.timeout)
@@ -271,7 +279,8 @@ class RemoteMoE:
             except wire.ProtocolError as exc:
                 raise DispatchFailed(f"malformed reply: {exc}") from None
             if isinstance(msg, wire.ErrorReply):
-                raise DispatchFailed(f"worker error {msg.code.name}: {msg.message}")
+                refused = msg.code is wire.ErrorCode.DRAINING
+                raise (HostDraining if refused else DispatchFailed)(f"worker error {msg.code.name}: {msg.message}")
             if not isinstance(msg, wire.DispatchReply) or msg.dispatch_id != req.dispatch_id or msg.n_tokens != n:
                 raise DispatchFailed("reply does not answer this dispatch")
             try:
@@ -280,11 +289,12 @@ class RemoteMoE:
                 raise DispatchFailed(f"bad partial sums: {exc}") from None
             if not np.isfinite(sums).all():
                 raise DispatchFailed("partial sums are not finite")
-            receipt, stamp = await self._check_receipt(host, req, data, msg, raw, path)
+            receipt, stamp = await self._check_receipt(host, req, data, msg, path)
             ok = True
         finally:
             latency = (time.perf_counter() - t0) * 1e3
-            self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok))
+            if not refused:  # a draining host's refusal is no dispatch: it did no work, the group goes elsewhere
+                self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok))
             log.info("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
         compute_ms = msg.compute_us / 1e3
         self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0))
@@ -320,45 +330,34 @@ class RemoteMoE:
         log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=receipt.dispatch_id, layer=layer, max_abs_diff=result.max_abs_diff, min_cosine=result.min_cosine, banned_s=ban)
         return want
 
-    async def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, raw: bytes, path: str) -> tuple[Receipt, ReceiptStamp]:
+    async def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, path: Path) -> tuple[Receipt, ReceiptStamp]:
         """Rebuild the receipt the worker signed and check its signature.
 
         The price comes from the worker's DHT record; a worker that re-priced since our cached
         lookup signs its new price, so on a mismatch the record is fetched again once. The path
-        is what each side sees of its own connection; in the instant a punched path takes over
-        the two can disagree, so the other path name is tried too.
+        is what each side sees of its own connection (see ``verify_on_either_path``).
         """
-        ids = np.asarray(req.expert_ids)
-        held = ids >= 0
         try:
             stamp = ReceiptStamp.decode(msg.receipt)
         except ReceiptError as exc:
             raise DispatchFailed(f"receipt rejected: {exc}") from None
-        receipt = Receipt(
-            dispatch_id=req.dispatch_id.hex(),
+        receipt = build_receipt(
+            data,
+            req,
+            msg,
             backbone=str(self.connector.peer_id),
             worker=str(host.peer_id),
             model_digest=self.model_digest,
-            layer=req.layer,
-            expert_ids=tuple(int(e) for e in np.unique(ids[held])),
-            n_tokens=req.n_tokens,
-            work_units=work_units(int(held.sum()), self.n_embd, self.n_ff_exp),
-            bytes_in=len(data),
-            bytes_out=len(raw),
-            codec=self.codec.name.lower(),
+            n_embd=self.n_embd,
+            n_ff_exp=self.n_ff_exp,
             path=path,
-            issued_at_us=stamp.issued_at_us,
             price=host.price,
-            request_digest=digest(data),
-            result_digest=digest(msg.partial),
+            issued_at_us=stamp.issued_at_us,
         )
-        first_error: ReceiptError | None = None
-        for candidate in (receipt, dataclasses.replace(receipt, path="relay" if path == "direct" else "direct")):
-            try:
-                verify(candidate, stamp)
-                return candidate, stamp
-            except ReceiptError as exc:
-                first_error = first_error or exc
+        try:
+            return verify_on_either_path(receipt, stamp), stamp
+        except ReceiptError as exc:
+            first_error = exc
         records = await self.discovery.lookup(self.model_digest, req.layer, fresh=True)
         fresh = [r for r in records if r.peer_id == host.peer_id]
         if fresh and fresh[0].hosted.price != host.price:

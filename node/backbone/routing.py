@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from experts.moe import Partition
 from p2p.backoff import Backoff
 from p2p.identity import PeerId
+from p2p.pathkind import Path
 from p2p.records import HostRecord, RelayAddress
 
+LEAVING_S = 60.0  # longer than a drain (withdraw, then finish within its deadline); a worker restarted under the same key is used again after it
 DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones
 EWMA = 0.2
 BENCH = Backoff(first=1.0, cap=60.0)  # seconds a failed host gets no work, doubling per consecutive failure
@@ -55,9 +57,9 @@ class Host:
     relay: RelayAddress | None = None
 
     @property
-    def path(self) -> str:
+    def path(self) -> Path:
         """Path policy: publicly reachable hosts are dialled directly, NAT-bound ones through their relay."""
-        return "direct" if self.addr is not None else "relay"
+        return Path.DIRECT if self.addr is not None else Path.RELAY
 
     @classmethod
     def from_record(cls, r: HostRecord) -> Host | None:
@@ -135,6 +137,12 @@ class Router:
         """Give *peer* no work for *seconds* (a spot check caught it)."""
         h = self.health[peer]
         h.banned_until = max(h.banned_until, now + seconds)
+
+    def leaving(self, peer: PeerId, now: float) -> None:
+        """*peer* refused because it is draining (shutting down): no work for ``LEAVING_S``, no failure counted."""
+        h = self.health[peer]
+        h.inflight -= 1
+        h.banned_until = max(h.banned_until, now + LEAVING_S)
 
     def failed(self, peer: PeerId, now: float) -> float:
         """Bench the host; returns for how long (doubling per consecutive failure)."""

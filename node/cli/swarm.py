@@ -71,10 +71,12 @@ def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ..
 @click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
 @click.option("--relay", default=None, callback=_record_field(check_relay_url), help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable. The worker then checks its reachability against the DHT's helpers: public -> it also announces a direct QUIC address; behind NAT -> only the relay, and backbones hole-punch to it (not behind a symmetric NAT).")
 @click.option("--reachability-recheck", "recheck_s", default=300.0, show_default=True, type=click.FloatRange(min=1), help="With --relay: seconds between reachability re-checks; a changed verdict is re-announced (e.g. after a port forward).")
+@click.option("--drain-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0), help="On SIGTERM/SIGINT: seconds to finish the dispatches in flight (after withdrawing the records, new ones are refused) before closing.")
+@click.option("--dispatch-delay", default=0.0, hidden=True, type=click.FloatRange(min=0), help="Test only: seconds every dispatch waits before computing.")
 @click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay).")
 @data_dir_opt
 @ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, no_ledger, relay, recheck_s, relay_only, data_dir, ready_file) -> None:
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, data_dir, ready_file) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
@@ -97,6 +99,8 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         relay=relay,
         relay_only=relay_only,
         recheck_s=recheck_s,
+        drain_timeout=drain_timeout,
+        dispatch_delay=dispatch_delay,
     )
     if relay_only and not relay:
         raise click.UsageError("--relay-only needs --relay URL")

@@ -14,10 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from experts.errors import RemoteProtocolError
 from p2p.identity import Identity, IdentityError, PeerId
+from p2p.pathkind import Path
+from p2p.wire import DispatchReply, DispatchRequest
 
 SIGNING_CONTEXT = b"moeswarm/receipt/v1\0"
 STAMP = struct.Struct("<Q64s")
@@ -49,7 +51,7 @@ class Receipt:
     bytes_in: int
     bytes_out: int
     codec: str
-    path: str  # "direct" | "relay"
+    path: str  # the value of a p2p.pathkind.Path: "direct" | "relay"
     issued_at_us: int  # worker clock when it answered
     price: int  # per work unit, from the worker's record
     request_digest: str
@@ -82,6 +84,48 @@ class ReceiptStamp:
         return cls(at, sig)
 
 
+def build_receipt(
+    request: bytes,
+    req: DispatchRequest,
+    reply: DispatchReply,
+    *,
+    backbone: str,
+    worker: str,
+    model_digest: str,
+    n_embd: int,
+    n_ff_exp: int,
+    path: Path,
+    price: int,
+    issued_at_us: int,
+) -> Receipt:
+    """The receipt of one dispatch, from what both sides hold: the request (its bytes and fields) and the reply.
+
+    The worker calls this before it signs (its reply may carry any stamp-sized placeholder), the backbone after
+    it received the reply (with the real stamp): ``bytes_out`` is the reply's encoded length with a stamp of
+    ``STAMP.size`` bytes in either case, so both get the same body by construction. The rest each side passes:
+    the two peer ids, the model's digest and expert shape, the path, the price and the worker's clock reading.
+    """
+    held = [e for e in req.expert_ids if e >= 0]
+    return Receipt(
+        dispatch_id=req.dispatch_id.hex(),
+        backbone=backbone,
+        worker=worker,
+        model_digest=model_digest,
+        layer=req.layer,
+        expert_ids=tuple(sorted(set(held))),
+        n_tokens=req.n_tokens,
+        work_units=work_units(len(held), n_embd, n_ff_exp),
+        bytes_in=len(request),
+        bytes_out=replace(reply, receipt=bytes(STAMP.size)).encoded_len(),
+        codec=req.codec.name.lower(),
+        path=path.value,  # plain text: the ledger stores and checks exact str fields
+        issued_at_us=issued_at_us,
+        price=price,
+        request_digest=digest(request),
+        result_digest=digest(reply.partial),
+    )
+
+
 def sign(identity: Identity, receipt: Receipt) -> ReceiptStamp:
     if receipt.worker != str(identity.peer_id):
         raise ReceiptError("a worker signs only receipts naming itself as the worker")
@@ -98,3 +142,23 @@ def verify(receipt: Receipt, stamp: ReceiptStamp) -> None:
         raise ReceiptError(f"receipt {receipt.dispatch_id} names no valid worker: {exc}") from None
     if not worker.verify(receipt.body(), stamp.signature):
         raise ReceiptError(f"receipt {receipt.dispatch_id} is not signed by worker {receipt.worker}")
+
+
+def verify_on_either_path(receipt: Receipt, stamp: ReceiptStamp) -> Receipt:
+    """Verify *receipt*, or the same receipt on the other path; return the one the worker signed.
+
+    The one place where the two sides may disagree: each names the path its own endpoint uses to the other,
+    and in the instant a punched direct path takes over from the relay (or dies back to it) between request
+    and reply, one side still sees the old path. Either path is an honest answer for that dispatch; the
+    error of the first attempt is the one raised.
+    """
+    try:
+        verify(receipt, stamp)
+        return receipt
+    except ReceiptError as first:
+        other = replace(receipt, path=Path(receipt.path).other.value)
+        try:
+            verify(other, stamp)
+        except ReceiptError:
+            raise first from None
+        return other

@@ -1,12 +1,20 @@
-"""A worker node: its slice, QUIC endpoint, DHT records, reachability and optional relay, from start to stop."""
+"""A worker node: its slice, QUIC endpoint, DHT records, reachability and optional relay, from start to stop.
+
+``WorkerNode`` enters each resource into one ``AsyncExitStack`` as it sets it up, so teardown runs in exactly the
+reverse order (background tasks, DHT records, reachability, relay, endpoint, DHT node, compute pool, ledger), also
+when start-up fails half way. Its lifecycle is the table in :mod:`node.worker.lifecycle`; on SIGTERM/SIGINT it
+drains: withdraw the records, refuse new dispatches, finish those in flight within ``drain_timeout`` seconds.
+"""
 
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import structlog
 
@@ -15,6 +23,7 @@ from experts.slices import ExpertStore, check_slice
 from node.backbone.routing import scarcity_price
 from node.ledger.sink import LedgerSink
 from node.runtime import until_stopped, write_ready
+from node.worker.lifecycle import Lifecycle, State
 from node.worker.service import Worker
 from p2p.dht import LibP2PDiscovery
 from p2p.helpers import NodeReachability, helper_address
@@ -46,113 +55,182 @@ class WorkerOptions:
     relay: str | None = None  # ws(s)://HOST:PORT/relay: also reachable through this relay; check reachability
     relay_only: bool = False  # announce the relay address only, skip the check, answer no punch (relay path only)
     recheck_s: float = 300.0  # with a relay: seconds between reachability re-checks (a change is re-announced)
+    drain_timeout: float = 10.0  # on SIGTERM: seconds to finish the dispatches in flight before closing
+    dispatch_delay: float = 0.0  # test only: seconds every dispatch waits before computing (holds it in flight)
 
 
-async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None) -> None:
-    """Load the slice, serve dispatches, announce until SIGINT/SIGTERM, then withdraw and close."""
-    model = GGUFModel(opts.model)
-    if model.is_slice:
-        check_slice(model, opts.model_digest)
-    store = ExpertStore(model, opts.layers, opts.experts, memory_budget=opts.memory_budget)
-    await asyncio.to_thread(store.warm)  # announce only once dispatches are served at full speed
-    ledger = LedgerSink(ledger_path, "worker", identity) if ledger_path else None
-    worker = Worker(identity, store, price=opts.price, ledger=ledger)
-    endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram)
-    port = endpoint.local_addr[1]
-    configured = opts.advertise or helper_address(opts.listen[0], port)  # a direct address we were told, if any
-    addr = None if opts.relay else opts.advertise or f"{opts.listen[0]}:{port}"  # with a relay: decided by the check
-    ranges = ((store.experts.start, store.experts.stop),)
-    # A worker behind a relay may be NAT-bound: it joins the DHT as a client (nobody may be able to dial it, so it
-    # must not host records), also when its check finds it public.
-    dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap, client_mode=bool(opts.relay))
-    reach = NodeReachability(endpoint, dht, recheck=opts.recheck_s)  # answers probes on the QUIC socket in every mode
-    relay_addr, relay_path = None, None
-    if opts.relay:
-        relay_path = attach(endpoint, RelayClient(identity, opts.relay))
-        relay_path.client.start()
-        await relay_path.client.wait_connected(30)
-        relay_addr = RelayAddress(opts.relay, relay_path.client.relay_peer)
-        reach.nat.attach_relay(relay_path.client, initiate=False)  # answers backbones' punches with our verdict
-        worker.path_of = reach.nat.path
+WITHDRAW_TIMEOUT_S = 10.0  # past it shutdown goes on; the records then expire on their own
 
-    def slices(price: int) -> list[HostedSlice]:
-        return [HostedSlice(model.digest, layer, ranges, quic_addr=addr, relay=relay_addr, capacity=opts.capacity, price=price) for layer in store.layers]
 
-    async def replicas() -> int:
-        """Live hosts (this one included) of our slice's scarcest layer."""
-        counts = []
-        for layer in store.layers:
-            hosts = await dht.lookup(model.digest, layer)
-            counts.append(1 + sum(1 for r in hosts if r.peer_id != identity.peer_id and r.hosted.expert_ranges == ranges))
-        return min(counts)
+class WorkerNode:
+    """One worker process: ``async with WorkerNode(...) as node`` loads, serves and announces; ``drain()`` stops
+    it gracefully; leaving the block closes every resource in reverse order of set-up."""
 
-    async def reprice() -> None:
-        """Re-announce when the scarcity price changes (README: pricing)."""
-        while True:
-            await asyncio.sleep(opts.reprice_s)
-            price = scarcity_price(opts.price, await replicas())
-            if price != worker.price:
-                worker.price = price
-                await dht.announce(slices(price))
-                log.info("worker.repriced", price=price)
+    def __init__(self, identity: Identity, opts: WorkerOptions, ledger_path: Path | None = None) -> None:
+        self.identity = identity
+        self.opts = opts
+        self.ledger_path = ledger_path
+        self.lifecycle = Lifecycle()
+        self.reachability = "unchecked"
+        self._stack = AsyncExitStack()
+        self._tasks: set[asyncio.Task] = set()
+        self._withdrawn = False
 
-    async def readvertise(verdict: Verdict) -> None:
-        """A re-check changed the verdict: announce the direct address it implies (or withdraw ours)."""
-        nonlocal addr
-        new = announced_address(verdict, configured)
-        if new == addr:
-            return
-        log.info("worker.readvertised", quic=new, before=addr, reachability=verdict.kind.name.lower(), reason=verdict.reason)
-        addr = new
+    async def __aenter__(self) -> Self:
         try:
-            await dht.announce(slices(worker.price))
-            await reach.announce(new)
-        except Exception as exc:  # the records keep their refresh loop; the next change or restart retries
-            log.warning("worker.readvertise_failed", error=repr(exc))
+            await self._start()
+        except BaseException:
+            await self._close()
+            raise
+        self.lifecycle.move(State.SERVING)
+        log.info("worker.ready", peer=str(self.identity.peer_id), quic=self.addr, reachability=self.reachability, layers=f"{self.store.layers.start}-{self.store.layers.stop - 1}", experts=str(self.store.experts), mode=self.store.plan.mode)
+        return self
 
-    readvertising: set[asyncio.Task] = set()
+    async def __aexit__(self, *exc: object) -> None:
+        await self._close()
 
-    def on_change(verdict: Verdict) -> None:
-        task = asyncio.ensure_future(readvertise(verdict))
-        readvertising.add(task)
-        task.add_done_callback(readvertising.discard)
-
-    repricing = None
-    try:
+    async def _start(self) -> None:
+        opts, identity, stack = self.opts, self.identity, self._stack
+        self.model = model = GGUFModel(opts.model)
+        if model.is_slice:
+            check_slice(model, opts.model_digest)
+        self.store = store = ExpertStore(model, opts.layers, opts.experts, memory_budget=opts.memory_budget)
+        await asyncio.to_thread(store.warm)  # announce only once dispatches are served at full speed
+        self.ledger = LedgerSink(self.ledger_path, "worker", identity) if self.ledger_path else None
+        if self.ledger:
+            stack.callback(self.ledger.close)
+        self.worker = worker = Worker(identity, store, price=opts.price, ledger=self.ledger, delay=opts.dispatch_delay)
+        stack.callback(worker.close)
+        # A worker behind a relay may be NAT-bound: it joins the DHT as a client (nobody may be able to dial it, so
+        # it must not host records), also when its check finds it public.
+        self.dht = dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap, client_mode=bool(opts.relay))
+        stack.push_async_callback(dht.close)
+        self.endpoint = endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram)
+        stack.push_async_callback(endpoint.close)
+        port = endpoint.local_addr[1]
+        self.configured = opts.advertise or helper_address(opts.listen[0], port)  # a direct address we were told, if any
+        self.addr = None if opts.relay else opts.advertise or f"{opts.listen[0]}:{port}"  # with a relay: decided by the check
+        self.ranges = ((store.experts.start, store.experts.stop),)
+        self.relay_addr = relay_path = None
+        if opts.relay:
+            relay_path = attach(endpoint, RelayClient(identity, opts.relay))
+            stack.push_async_callback(relay_path.client.close)
+            stack.callback(relay_path.detach)
+            relay_path.client.start()
+            await relay_path.client.wait_connected(30)
+            self.relay_addr = RelayAddress(opts.relay, relay_path.client.relay_peer)
+        self.reach = reach = NodeReachability(endpoint, dht, recheck=opts.recheck_s)  # answers probes on the QUIC socket in every mode
+        stack.push_async_callback(reach.close)
+        if relay_path:
+            reach.nat.attach_relay(relay_path.client, initiate=False)  # answers backbones' punches with our verdict
+            worker.path_of = reach.nat.path
         await dht.start()
+        stack.push_async_callback(self._withdraw)
+        stack.callback(self._cancel_tasks)
         reach.start()
         if opts.relay and not opts.relay_only:
             verdict = await reach.check()
-            addr = announced_address(verdict, configured)
-            reachability = verdict.kind.name.lower()
-            reach.nat.reach.on_change = on_change
-        else:
-            reachability = "relay-only" if opts.relay_only else "unchecked"  # public by configuration
-        await reach.announce(addr if opts.relay else configured)  # public nodes help others check theirs
-        worker.price = scarcity_price(opts.price, await replicas()) if opts.price else 0
-        await dht.announce(slices(worker.price))
+            self.addr = announced_address(verdict, self.configured)
+            self.reachability = verdict.kind.name.lower()
+            reach.nat.reach.on_change = self._on_change
+        elif opts.relay_only:
+            self.reachability = "relay-only"  # else "unchecked": public by configuration
+        await reach.announce(self.addr if opts.relay else self.configured)  # public nodes help others check theirs
+        worker.price = scarcity_price(opts.price, await self.replicas()) if opts.price else 0
+        await dht.announce(self.slices(worker.price))
         if opts.price:
-            repricing = asyncio.create_task(reprice())
-        log.info("worker.ready", peer=str(identity.peer_id), quic=addr, reachability=reachability, layers=f"{store.layers.start}-{store.layers.stop - 1}", experts=str(store.experts), mode=store.plan.mode)
-        write_ready(ready_file, {"role": "worker", "peer_id": str(identity.peer_id), "quic_addr": addr, "relay": opts.relay, "reachability": reachability, "dht_addrs": dht.multiaddrs, "load": store.plan.mode, "price": worker.price, "ledger": str(ledger_path) if ledger_path else None})
-        await until_stopped()
-    finally:
-        for task in (repricing, *readvertising):
-            if task:
-                task.cancel()
+            self._spawn(self._reprice())
+
+    def ready_info(self) -> dict:
+        """What the ready file publishes: how launchers and tests reach this worker."""
+        return {"role": "worker", "peer_id": str(self.identity.peer_id), "quic_addr": self.addr, "relay": self.opts.relay, "reachability": self.reachability, "dht_addrs": self.dht.multiaddrs, "load": self.store.plan.mode, "price": self.worker.price, "ledger": str(self.ledger_path) if self.ledger_path else None}
+
+    def slices(self, price: int) -> list[HostedSlice]:
+        return [HostedSlice(self.model.digest, layer, self.ranges, quic_addr=self.addr, relay=self.relay_addr, capacity=self.opts.capacity, price=price) for layer in self.store.layers]
+
+    async def replicas(self) -> int:
+        """Live hosts (this one included) of our slice's scarcest layer."""
+        counts = []
+        for layer in self.store.layers:
+            hosts = await self.dht.lookup(self.model.digest, layer)
+            counts.append(1 + sum(1 for r in hosts if r.peer_id != self.identity.peer_id and r.hosted.expert_ranges == self.ranges))
+        return min(counts)
+
+    async def _reprice(self) -> None:
+        """Re-announce when the scarcity price changes (README: pricing)."""
+        while True:
+            await asyncio.sleep(self.opts.reprice_s)
+            price = scarcity_price(self.opts.price, await self.replicas())
+            if price != self.worker.price:
+                self.worker.price = price
+                await self.dht.announce(self.slices(price))
+                log.info("worker.repriced", price=price)
+
+    async def _readvertise(self, verdict: Verdict) -> None:
+        """A re-check changed the verdict: announce the direct address it implies (or withdraw ours)."""
+        new = announced_address(verdict, self.configured)
+        if new == self.addr:
+            return
+        log.info("worker.readvertised", quic=new, before=self.addr, reachability=verdict.kind.name.lower(), reason=verdict.reason)
+        self.addr = new
         try:
-            await asyncio.wait_for(dht.withdraw(), 10)
-            log.info("worker.withdrawn", peer=str(identity.peer_id))
+            await self.dht.announce(self.slices(self.worker.price))
+            await self.reach.announce(new)
+        except Exception as exc:  # the records keep their refresh loop; the next change or restart retries
+            log.warning("worker.readvertise_failed", error=repr(exc))
+
+    def _on_change(self, verdict: Verdict) -> None:
+        self._spawn(self._readvertise(verdict))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _withdraw(self) -> None:
+        """Tombstone our records (once: the drain does it first, teardown only if no drain did)."""
+        if self._withdrawn:
+            return
+        self._withdrawn = True
+        try:
+            await asyncio.wait_for(self.dht.withdraw(), WITHDRAW_TIMEOUT_S)
+            log.info("worker.withdrawn", peer=str(self.identity.peer_id))
         except Exception as exc:  # shutdown goes on; records then expire on their own
             log.warning("worker.withdraw_failed", error=repr(exc))
-        await reach.close()
-        if relay_path:
-            relay_path.detach()
-            await relay_path.client.close()
-        await endpoint.close()
-        await dht.close()
-        worker.close()
-        if ledger:
-            ledger.close()
+
+    async def drain(self) -> None:
+        """Stop gracefully: withdraw the records, refuse new dispatches, finish those in flight (within the deadline).
+
+        Records go first, so backbones stop finding us while we still serve; requests that arrive after that (from
+        a backbone's cached lookup) get ``ErrorCode.DRAINING`` and go to another replica. "Finished" means the
+        reply was handed to QUIC: the endpoint has no flush yet, so a reply larger than the congestion window at
+        close could still be cut (decode replies are a few KB).
+        """
+        self.lifecycle.move(State.DRAINING)
+        log.info("worker.draining", peer=str(self.identity.peer_id), in_flight=self.worker.in_flight, deadline_s=self.opts.drain_timeout)
+        self._cancel_tasks()
+        await self._withdraw()
+        self.worker.refuse_new()
+        try:
+            await asyncio.wait_for(self.worker.idle(), self.opts.drain_timeout)
+            log.info("worker.drained", peer=str(self.identity.peer_id), served=self.worker.stats.dispatches)
+        except TimeoutError:
+            log.warning("worker.drain_timeout", peer=str(self.identity.peer_id), in_flight=self.worker.in_flight, deadline_s=self.opts.drain_timeout)
+
+    async def _close(self) -> None:
+        await self._stack.aclose()
+        self.lifecycle.move(State.CLOSED)
+        log.info("worker.closed", peer=str(self.identity.peer_id))
 
 
+async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None) -> None:
+    """Load the slice, serve dispatches, announce until SIGINT/SIGTERM, then drain and close (a second signal
+    during the drain ends the process at once: the handlers are gone by then)."""
+    async with WorkerNode(identity, opts, ledger_path) as node:
+        write_ready(ready_file, node.ready_info())
+        await until_stopped()
+        await node.drain()

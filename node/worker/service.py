@@ -23,10 +23,11 @@ from experts.codecs import Codec
 from experts.errors import CodecError
 from experts.moe import partial_sum
 from experts.slices import ExpertStore
-from node.ledger.receipts import Receipt, digest, sign, work_units
+from node.ledger.receipts import STAMP, build_receipt, sign, work_units
 from node.ledger.sink import LedgerSink
 from p2p import wire
 from p2p.identity import Identity, PeerId
+from p2p.pathkind import Path
 
 log = structlog.get_logger("node.worker.service")
 # Batches up to this much work (expert-token FLOPs, see receipts.work_units) are computed on the event loop: a
@@ -45,6 +46,10 @@ class UnknownModel(wire.ProtocolError):
 
 class ComputeFailed(wire.ProtocolError):
     error_code = wire.ErrorCode.INTERNAL
+
+
+class Draining(wire.ProtocolError):
+    error_code = wire.ErrorCode.DRAINING
 
 
 @dataclass
@@ -68,22 +73,35 @@ class WorkerStats:
 class Worker:
     """Dispatch handler over an :class:`ExpertStore`; plug ``handle`` into a QUIC endpoint."""
 
-    def __init__(self, identity: Identity, store: ExpertStore, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK) -> None:
+    def __init__(self, identity: Identity, store: ExpertStore, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK, delay: float = 0.0) -> None:
         self.identity = identity
+        self.delay = delay  # test only: seconds every dispatch waits before it computes (to hold dispatches in flight)
         self.inline_work = inline_work
         self.store = store
         self.model_digest = store.model.digest
         self._model_id = wire.model_id_of(bytes.fromhex(self.model_digest))
         self.price = price
-        self.path_of = path_of or (lambda peer: "direct")
+        self.path_of = path_of or (lambda peer: Path.DIRECT)
         self.ledger = ledger
         self.stats = WorkerStats()
         self._pending: dict[int, list[_Job]] = {}
         self._running: set[int] = set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="experts")
+        self.refusing = False  # draining: new dispatch requests get ErrorCode.DRAINING
+        self.in_flight = 0  # dispatch requests accepted and not yet answered
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def refuse_new(self) -> None:
+        """From now on answer dispatch requests with DRAINING (pings still get their pong)."""
+        self.refusing = True
+
+    async def idle(self) -> None:
+        """Return once no dispatch is in flight (their replies handed to the endpoint)."""
+        await self._idle.wait()
 
     async def handle(self, peer: PeerId, data: bytes) -> bytes:
         """One request message in, one reply message out; bad input gets an ErrorReply, never an exception."""
@@ -95,7 +113,16 @@ class Worker:
                 return wire.Pong.answering(msg).encode()
             if not isinstance(msg, wire.DispatchRequest):
                 raise wire.InvalidField("type", f"a worker answers DispatchRequest and Ping, not {type(msg).__name__}")
-            reply = await self._dispatch(peer, msg, data, t0)
+            if self.refusing:
+                raise Draining("type", "this worker is shutting down and withdrew its records; ask another replica")
+            self.in_flight += 1
+            self._idle.clear()
+            try:
+                reply = await self._dispatch(peer, msg, data, t0)
+            finally:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self._idle.set()
         except (wire.ProtocolError, CodecError) as exc:
             self.stats.errors += 1
             log.warning("dispatch.refused", peer=str(peer), error=str(exc), bytes_in=len(data))
@@ -122,31 +149,28 @@ class Worker:
         if not np.isfinite(x).all():
             raise wire.InvalidField("hidden", "hidden states hold NaN or infinity")
         w = np.asarray(req.router_weights, dtype=np.float32).reshape(req.n_tokens, req.top_k)
+        if self.delay:
+            log.info("dispatch.delayed", peer=str(peer), dispatch_id=req.dispatch_id.hex(), seconds=self.delay)
+            await asyncio.sleep(self.delay)
         sums = await self._compute(req.layer, x, ids, w, held)
         payload = codecs.encode(codec, sums)
         compute_us = int((time.perf_counter() - t0) * 1e6)
-        receipt = Receipt(
-            dispatch_id=req.dispatch_id.hex(),
+        unsigned = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, bytes(STAMP.size))
+        receipt = build_receipt(
+            data,
+            req,
+            unsigned,
             backbone=str(peer),
             worker=str(self.identity.peer_id),
             model_digest=self.model_digest,
-            layer=req.layer,
-            expert_ids=tuple(int(e) for e in np.unique(ids[held])),
-            n_tokens=req.n_tokens,
-            work_units=work_units(int(held.sum()), cfg.n_embd, cfg.n_ff_exp),
-            bytes_in=len(data),
-            bytes_out=0,  # filled below: the reply's size depends on nothing the signature covers but this
-            codec=codec.name.lower(),
+            n_embd=cfg.n_embd,
+            n_ff_exp=cfg.n_ff_exp,
             path=self.path_of(peer),
-            issued_at_us=time.time_ns() // 1000,
             price=self.price,
-            request_digest=digest(data),
-            result_digest=digest(payload),
+            issued_at_us=time.time_ns() // 1000,
         )
-        reply = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, b"\0" * 72)
-        receipt = _with_bytes_out(receipt, reply.encoded_len())
         stamp = sign(self.identity, receipt)
-        reply = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, stamp.encode())
+        reply = dataclasses.replace(unsigned, receipt=stamp.encode())
         if self.ledger:
             self.ledger.receipt(receipt, stamp)
         self.stats.dispatches += 1
@@ -193,8 +217,3 @@ class Worker:
         finally:
             self._running.discard(layer)
 
-
-def _with_bytes_out(r: Receipt, n: int) -> Receipt:
-    from dataclasses import replace
-
-    return replace(r, bytes_out=n)

@@ -7,7 +7,7 @@ enough to pass NaN/Inf checks, wrong enough for a spot check to catch.
 
 import numpy as np
 
-from node import worker
+from node.worker import service as worker
 from node.cli.root import main
 
 _honest = worker.Worker._compute
