@@ -24,8 +24,8 @@ from experts.errors import MoeSwarmError
 from p2p.identity import Identity, PeerId
 from p2p.records import (
     MAX_LIFETIME,
-    HostedSlice,
     HelperRecord,
+    HostedSlice,
     HostRecord,
     RecordError,
     decode_and_validate,

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum
-from typing import TypeVar
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from experts.errors import RemoteProtocolError
 from p2p.frames import Reader, exact_bytes, int_in

@@ -7,8 +7,8 @@ enough to pass NaN/Inf checks, wrong enough for a spot check to catch.
 
 import numpy as np
 
-from node.worker import service as worker
 from node.cli.root import main
+from node.worker import service as worker
 
 _honest = worker.Worker._compute
 
