@@ -10,17 +10,21 @@ import numpy as np
 import pytest
 import structlog
 
+from experts import codecs
 from experts.embedded import EMBEDDED_MODEL
 from experts.forward import Backbone
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition
 from experts.tokenizer import Tokenizer
+from node.backbone.dispatch import RemoteMoE
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster, NodeProcess
+from p2p import wire
+from p2p.connector import Connector
 from p2p.identity import Identity, PeerId
+from tests.support.polling import async_until
 
-from .test_punch_loopback import until
 from .test_swarm import N_TOKENS, local_run
 
 pytestmark = pytest.mark.slow
@@ -45,7 +49,7 @@ def events(node: NodeProcess, name: str) -> list[dict]:
     return found
 
 
-def test_sigterm_with_a_dispatch_in_flight_loses_nothing(model, tmp_path):
+def test_sigterm_with_a_dispatch_in_flight_loses_nothing(model, tmp_path, monkeypatch):
     """Two replicas; SIGTERM to one while it computes a dispatch: that dispatch is answered (with a valid receipt), a
     request sent during the drain is refused and goes to the other replica, no dispatch fails, the tokens equal the
     local run, and the worker exits 0 after logging draining with the dispatch in flight."""
@@ -61,25 +65,34 @@ def test_sigterm_with_a_dispatch_in_flight_loses_nothing(model, tmp_path):
         victim_id = PeerId.from_string(victim.wait_ready()["peer_id"])
         seen: dict[str, object] = {}
 
+        request = Connector.request
+        session: list[RemoteMoE] = []
+
+        async def signal_mid_dispatch(self, peer, direct, relay, data, *, timeout):
+            """The victim's first request: SIGTERM it while it computes, then send the same layer again mid-drain."""
+            if peer != victim_id or "signalled" in seen:
+                return await request(self, peer, direct, relay, data, timeout=timeout)
+            seen["signalled"] = True
+            in_flight = asyncio.ensure_future(request(self, peer, direct, relay, data, timeout=timeout))
+            await async_until(lambda: events(victim, "dispatch.delayed"), timeout=60)
+            victim.proc.send_signal(signal.SIGTERM)
+            await async_until(lambda: events(victim, "worker.withdrawn"), timeout=60)
+            req = wire.decode(data)  # one group holds every expert: its ids are the layer's, its sum is the layer's
+            x = codecs.decode(req.codec, req.hidden, req.n_tokens, model.cfg.n_embd)
+            ids = np.array(req.expert_ids, dtype=np.int32).reshape(req.n_tokens, req.top_k)
+            w = np.array(req.router_weights, dtype=np.float32).reshape(req.n_tokens, req.top_k)
+            seen["during_drain"] = await session[0].dispatch_layer(req.layer, x, ids, w)  # refused, redirected
+            reply = await in_flight
+            seen["in_flight"] = codecs.decode(req.codec, wire.decode(reply.data).partial, req.n_tokens, model.cfg.n_embd)
+            return reply
+
+        monkeypatch.setattr(Connector, "request", signal_mid_dispatch)
+
         async def main():
             async with backbone_session(Identity.generate(), model, [boot], timeout=60.0) as moe:
+                session.append(moe)
                 await wait_for_hosts(moe, model.layers, 2, 60)
                 moe.router.health[victim_id].rtt_ms = 0.0  # the victim takes the first dispatch
-                send = moe._send
-
-                async def signal_mid_dispatch(host, layer, x, ids, w, held):
-                    if host.peer_id != victim_id or "signalled" in seen:
-                        return await send(host, layer, x, ids, w, held)
-                    seen["signalled"] = True
-                    in_flight = asyncio.ensure_future(send(host, layer, x, ids, w, held))
-                    await until(lambda: events(victim, "dispatch.delayed"), timeout=60)
-                    victim.proc.send_signal(signal.SIGTERM)
-                    await until(lambda: events(victim, "worker.withdrawn"), timeout=60)
-                    seen["during_drain"] = await moe.dispatch_layer(layer, x, ids, w)  # a new request: refused, redirected
-                    seen["in_flight"] = await in_flight
-                    return seen["in_flight"]
-
-                moe._send = signal_mid_dispatch
                 bb = Backbone(model)
                 out = await asyncio.to_thread(lambda: [t for t, _ in generate(bb, ids, N_TOKENS, moe.hook)])
                 return out, moe
