@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from experts import verify
 from experts.home import moeswarm_home
-from node import runtime
+from node import runtime, verdicts
 
 
 def test_home_is_the_environment_variable_else_dot_moeswarm(monkeypatch, tmp_path):
@@ -25,4 +24,4 @@ def test_node_data_and_verdicts_hang_off_the_same_home(monkeypatch, tmp_path):
     monkeypatch.setenv("MOESWARM_HOME", str(tmp_path))
     assert runtime.data_dir(None, "worker") == tmp_path / "worker"
     assert (tmp_path / "worker").is_dir()
-    assert verify.verdict_path() == tmp_path / "verdicts.json"
+    assert verdicts.verdict_path() == tmp_path / "verdicts.json"
