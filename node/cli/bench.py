@@ -39,16 +39,17 @@ def publish(result: dict, command: str, *, write_md: str | None, as_json: bool, 
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--repeat", default=5, show_default=True)
 @click.option("--qtype", default="Q4_K", show_default=True)
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="Threads of the fast kernel (ggml).")
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
-def bench_experts(as_json: bool, repeat: int, qtype: str, write_md: str | None) -> None:
-    """Expert compute per token per layer (reference config), cached vs on-the-fly, and wire bytes."""
+def bench_experts(as_json: bool, repeat: int, qtype: str, threads: int, write_md: str | None) -> None:
+    """Expert compute per token per layer (reference config): cached, on-the-fly, the kernels vs the bandwidth floor; wire bytes."""
     from node.bench import experts
 
-    result = experts.run(repeat, qtype)
+    result = experts.run(repeat, qtype, threads)
     compute = result["expert_compute"]
     lines = [f"{k}: {v}" for k, v in compute.items()]
     lines += [f"{k}: out {v['out']} B, back {v['back']} B, total {v['total']} B" for k, v in result["bytes_per_token_per_layer"].items()]
-    publish(result, "moeswarm bench experts --json", write_md=write_md, as_json=as_json, lines=lines)
+    publish(result, f"moeswarm bench experts --json --threads {threads}", write_md=write_md, as_json=as_json, lines=lines)
 
 
 @bench_group.command("dispatch")

@@ -82,7 +82,7 @@ def test_ggml_backbone_passes_the_quantized_gate(model_dir, arch, qtype):
     got_ids: list[np.ndarray] = []
     ref = Backbone(model).forward(TOKENS, KVCache(), routed(model, ref_ids))
     got = Backbone(model, kernel=GgmlKernel()).forward(TOKENS, KVCache(), routed(model, got_ids))
-    same_route = np.all([(a == b).all(axis=1) for a, b in zip(ref_ids, got_ids)], axis=0)
+    same_route = np.all([(a == b).all(axis=1) for a, b in zip(ref_ids, got_ids, strict=True)], axis=0)
     assert same_route.sum() >= 0.75 * len(TOKENS), f"routing flipped at {np.nonzero(~same_route)[0].tolist()}"
     c = compare(got[same_route], ref[same_route])
     assert not compare(got, ref).bit_identical  # the kernel really ran (ggml's bits are its own)
