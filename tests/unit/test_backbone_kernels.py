@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from experts.dense_weights import PackedLinear
+from experts.dense_weights import PackedFFN, PackedLinear
 from experts.forward import Backbone, KVCache
 from experts.gguf_model import GGUFModel
 from experts.kernels import GgmlKernel, ReferenceKernel
@@ -42,6 +42,19 @@ def test_reference_kernel_keeps_todays_bits(model_dir, arch, qtype):
     packed = Backbone(model, kernel=ReferenceKernel())
     assert isinstance(packed.layers[0].wq, PackedLinear)
     assert packed.forward(TOKENS, KVCache(), hook).tobytes() == today.tobytes()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backbone_with_a_kernel_keeps_no_float32_copies(model_dir, arch):
+    """Every matrix of a kernel backbone is a view of the file's memory map (resident memory ~ the quantized size)."""
+    model = quantized(model_dir, arch, Q.Q4_K)
+    bb = Backbone(model, kernel=GgmlKernel())
+    linears = [bb.tok_embd, bb.output] + [w for L in bb.layers for w in (L.wq, L.wk, L.wv, L.wo, L.router)]
+    ffns = [L.shexp[1] for L in bb.layers if L.shexp is not None]
+    assert len(ffns) == (model.cfg.n_layer if arch == "qwen2moe" else 0)
+    views = [lin.w.data for lin in linears] + [w.data for f in ffns for w in (f.gate, f.up, f.down)]
+    assert all(isinstance(lin, PackedLinear) for lin in linears) and all(isinstance(f, PackedFFN) for f in ffns)
+    assert all(np.shares_memory(v, model.reader.data) for v in views)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
