@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import gguf
@@ -195,10 +196,12 @@ def run(
         "prefill": _compare(timings, "prefill", n_prefill),
         "rss": {"moeswarm_bytes": rss["peak"], "baseline_bytes": rss["baseline"], "file_bytes": file_bytes, "ratio": round(rss["peak"] / file_bytes, 3)},
         "config": {
-            "arch": cfg.arch, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head, "n_head_kv": cfg.n_head_kv,
-            "head_dim": cfg.head_dim, "n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used, "n_ff_exp": cfg.n_ff_exp,
-            "qtype": model.qtype("blk.0.ffn_down_exps.weight").name, "decode_tokens": n_tokens, "prefill_tokens": n_prefill, "rounds": rounds,
+            **asdict(cfg),
+            "qtype": model.qtype("blk.0.ffn_down_exps.weight").name,
+            "decode_tokens": n_tokens,
+            "prefill_tokens": n_prefill,
+            "rounds": rounds,
             "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
-        },  # fmt: skip
+        },
         "kernel": str(ours["moeswarm_1t"].kernel.identity),
     }
