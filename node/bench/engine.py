@@ -11,7 +11,8 @@ them alike:
 Each at 1 and 2 threads: greedy decode tokens/s (a short prompt prefilled untimed, then one token
 per step, each engine following its own argmax) and the tokens/s of one prefill of ``n_prefill``
 tokens. Peak resident memory of moeswarm is measured in a fresh child process (``VmHWM`` after a
-prefill, a few decode steps and one token through every expert), next to the file's size. Returns a dict; prints nothing.
+prefill, a few decode steps and one token through every expert), next to the file's size; and where a
+1-thread decode step of moeswarm goes (kernel calls vs the rest). Returns a dict; prints nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from experts.forward import Backbone, KVCache, MoeFfn
 from experts.gguf_model import GGUFModel
-from experts.kernels import make_kernel
+from experts.kernels import Kernel, QuantWeight, make_kernel
 from experts.packed_experts import PackedExperts, packed_partial_sum
 from experts.random_model import random_config, write_random_model
 from experts.reference import llamacpp
@@ -51,11 +53,34 @@ def local_moe(experts: PackedExperts) -> MoeFfn:
     return moe
 
 
-class Moeswarm:
-    """moeswarm's local engine on *model* with the ggml kernel (self-tested) at *threads*."""
+class TimedKernel:
+    """A kernel that adds up the wall time of its calls, to split a decode step into kernel time and the rest."""
 
-    def __init__(self, model: GGUFModel, threads: int) -> None:
-        kernel = make_kernel("ggml", threads)
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.identity = kernel.identity
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+
+    def matmul(self, x: np.ndarray, weight: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> np.ndarray:
+        t0 = time.perf_counter()
+        try:
+            return self.kernel.matmul(x, weight, qtype, shape)
+        finally:
+            self.seconds["matmul"] += time.perf_counter() - t0
+
+    def expert_ffn(self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> np.ndarray:
+        t0 = time.perf_counter()
+        try:
+            return self.kernel.expert_ffn(x, experts, gate, up, down)
+        finally:
+            self.seconds["expert_ffn"] += time.perf_counter() - t0
+
+
+class Moeswarm:
+    """moeswarm's local engine on *model* with the ggml kernel (self-tested) at *threads*, or with *kernel*."""
+
+    def __init__(self, model: GGUFModel, threads: int, kernel: Kernel | None = None) -> None:
+        kernel = kernel or make_kernel("ggml", threads)
         self.kernel = kernel
         self.backbone = Backbone(model, kernel=kernel)
         self.experts = PackedExperts(model, kernel)
@@ -106,6 +131,28 @@ def prefill_seconds(engine: Engine, tokens: list[int]) -> float:
     t0 = time.perf_counter()
     engine.eval(tokens)
     return time.perf_counter() - t0
+
+
+def decode_breakdown(model: GGUFModel, prompt: list[int], n_tokens: int) -> dict[str, float]:
+    """Milliseconds per 1-thread decode step: in the kernel's expert FFN calls (routed experts, and a shared
+    expert if the arch has one), in its matmuls (attention q/k/v/o, router, output head) and everything else
+    (numpy attention, norms, routing, sums, Python). Measured after the timed rounds, not in them."""
+    kernel = TimedKernel(make_kernel("ggml", 1, check=False))
+    engine = Moeswarm(model, 1, kernel)
+    engine.reset()
+    tok = engine.eval(prompt)
+    kernel.seconds.clear()  # count the decode steps only
+    t0 = time.perf_counter()
+    for _ in range(n_tokens):
+        tok = engine.eval([tok])
+    seconds = time.perf_counter() - t0
+    ms = lambda s: round(s / n_tokens * 1e3, 3)  # noqa: E731
+    return {
+        "step_ms": ms(seconds),
+        "kernel_expert_ffn_ms": ms(kernel.seconds["expert_ffn"]),
+        "kernel_matmul_ms": ms(kernel.seconds["matmul"]),
+        "other_ms": ms(seconds - kernel.seconds["expert_ffn"] - kernel.seconds["matmul"]),
+    }
 
 
 def _status() -> dict[str, int]:
@@ -188,12 +235,14 @@ def run(
         finally:
             for llm in theirs.values():
                 llm.close()
+        breakdown = decode_breakdown(model, rng.integers(0, 256, PROMPT).tolist(), n_tokens)
         rss = resident_peak(path, n_prefill, min(n_tokens, 8))
         file_bytes = path.stat().st_size
         cfg = model.cfg
     return {
         "decode": _compare(timings, "decode", n_tokens),
         "prefill": _compare(timings, "prefill", n_prefill),
+        "moeswarm_decode_step": breakdown,
         "rss": {"moeswarm_bytes": rss["peak"], "baseline_bytes": rss["baseline"], "file_bytes": file_bytes, "ratio": round(rss["peak"] / file_bytes, 3)},
         "config": {
             **asdict(cfg),

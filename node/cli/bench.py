@@ -75,6 +75,7 @@ def bench_engine(as_json: bool, n_layer: int, n_tokens: int, n_prefill: int, rou
              f"ratio {d['ratio_1t']} (1 thread), {d['ratio_2t']} (2 threads)",
              f"prefill {n_prefill} tokens, tokens/s: moeswarm {p['moeswarm_tps']} / {p['moeswarm_tps_2t']}, llama.cpp {p['llamacpp_tps_1t']} / {p['llamacpp_tps_2t']}; "
              f"ratio {p['ratio_1t']}, {p['ratio_2t']}",
+             "moeswarm decode step (1 thread): " + ", ".join(f"{k} {v}" for k, v in result["moeswarm_decode_step"].items()),
              f"moeswarm peak RSS {r['moeswarm_bytes'] / 1e6:.1f} MB for a {r['file_bytes'] / 1e6:.1f} MB file ({r['ratio']}x)"]  # fmt: skip
     command = f"moeswarm bench engine --json --layers {n_layer} --tokens {n_tokens} --prefill {n_prefill} --rounds {rounds} --qtype {qtype}"
     command += "".join(f" --{k} {v}" for k, v in (("hidden", n_embd), ("experts", n_expert), ("model", model_path)) if v is not None)
