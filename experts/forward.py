@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arch import RopeStyle, SharedExpert
+from .dense_weights import FFN, Linear, mm, weights_for
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
-from .moe import expert_ffn, route, softmax, tiled_matmul
+from .kernels import Kernel
+from .moe import route, softmax
 
 # The hook returns a Future of the routed sum, always: the forward computes the shared expert (an
 # independent additive term) while a remote round trip is in flight, then waits, in one place.
@@ -45,11 +47,6 @@ def local_moe(compute: MoeCompute) -> MoeFfn:
         return done
 
     return hook
-
-
-def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x @ w.T, batch invariant (fixed row tiles): a token's bits never depend on its batch-mates."""
-    return tiled_matmul(x, w.T)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -94,54 +91,61 @@ class KVCache:
 @dataclass(frozen=True)
 class Layer:
     attn_norm: np.ndarray
-    wq: np.ndarray
-    wk: np.ndarray
-    wv: np.ndarray
-    wo: np.ndarray
+    wq: Linear
+    wk: Linear
+    wv: Linear
+    wo: Linear
     bq: np.ndarray | None
     bk: np.ndarray | None
     bv: np.ndarray | None
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
     ffn_norm: np.ndarray
-    router: np.ndarray
-    shexp: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None  # gate_inp, gate, up, down
+    router: Linear
+    shexp: tuple[np.ndarray, FFN] | None  # gate_inp, the expert's gate/up/down
 
 
 class Backbone:
-    """Dequantized dense weights of a full model (not its routed experts, which stay mapped)."""
+    """The dense part of a full model (not its routed experts, which stay mapped).
 
-    def __init__(self, model: GGUFModel) -> None:
+    Without a *kernel* its matrices are dequantized to float32 once (today's exact bits); with one,
+    they stay packed in the file's memory map and the kernel computes on them (see
+    :mod:`experts.dense_weights`). Norms and biases are small vectors and are always float32.
+    """
+
+    def __init__(self, model: GGUFModel, kernel: Kernel | None = None) -> None:
         if model.is_slice:
             raise ModelFormatError(f"{model.path} is a slice; the backbone needs the full model file (give --model the file the slice was cut from)")
         self.model = model
+        self.kernel = kernel
         self.cfg = cfg = model.cfg
         self.spec = cfg.spec
         d = model.dense
+        lin = weights_for(model, kernel)
         opt = lambda name: d(name) if model.has(name) else None  # noqa: E731
-        self.tok_embd = d("token_embd.weight")
+        self.tok_embd = lin.linear("token_embd.weight")
         self.output_norm = d("output_norm.weight")
-        self.output = d("output.weight") if model.has("output.weight") else self.tok_embd
+        self.output = lin.linear("output.weight") if model.has("output.weight") else self.tok_embd
         self.layers = []
         for i in range(cfg.n_layer):
             b = f"blk.{i}."
             shexp = None
             if self.spec.shared_expert is SharedExpert.SIGMOID_GATED:
-                shexp = tuple(d(b + n) for n in ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"))
+                shexp = (d(b + "ffn_gate_inp_shexp.weight"), lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight"))
             self.layers.append(
                 Layer(
                     attn_norm=d(b + "attn_norm.weight"),
-                    wq=d(b + "attn_q.weight"),
-                    wk=d(b + "attn_k.weight"),
-                    wv=d(b + "attn_v.weight"),
-                    wo=d(b + "attn_output.weight"),
+                    wq=lin.linear(b + "attn_q.weight"),
+                    wk=lin.linear(b + "attn_k.weight"),
+                    wv=lin.linear(b + "attn_v.weight"),
+                    wo=lin.linear(b + "attn_output.weight"),
                     bq=opt(b + "attn_q.bias"),
                     bk=opt(b + "attn_k.bias"),
                     bv=opt(b + "attn_v.bias"),
                     q_norm=opt(b + "attn_q_norm.weight"),
                     k_norm=opt(b + "attn_k_norm.weight"),
                     ffn_norm=d(b + "ffn_norm.weight"),
-                    router=d(b + "ffn_gate_inp.weight"),
+                    router=lin.linear(b + "ffn_gate_inp.weight"),
                     shexp=shexp,
                 )
             )
@@ -149,7 +153,7 @@ class Backbone:
     def attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
         cfg, L = self.cfg, self.layers[i]
         n, hd = h.shape[0], cfg.head_dim
-        q, k, v = mm(h, L.wq), mm(h, L.wk), mm(h, L.wv)
+        q, k, v = L.wq(h), L.wk(h), L.wv(h)
         if L.bq is not None:
             q, k, v = q + L.bq, k + L.bk, v + L.bv
         q = q.reshape(n, cfg.n_head, hd)
@@ -176,18 +180,18 @@ class Backbone:
             V = np.ascontiguousarray(np.repeat(cache.v[i][:t], rep, axis=1).transpose(1, 0, 2))  # (heads, t, hd)
             scores = np.matmul(q[r][:, None, :], K) * scale  # (heads, 1, t)
             out[r] = np.matmul(softmax(scores), V)[:, 0, :]
-        return mm(out.reshape(n, cfg.q_dim), L.wo)
+        return L.wo(out.reshape(n, cfg.q_dim))
 
     def router(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return route(mm(x, self.layers[i].router), self.cfg.n_expert_used, self.spec.norm_topk)
+        return route(self.layers[i].router(x), self.cfg.n_expert_used, self.spec.norm_topk)
 
     def shared_expert(self, i: int, x: np.ndarray) -> np.ndarray | None:
         """The always-on expert; independent of the routed sum, so it can run during a dispatch."""
         sh = self.layers[i].shexp
         if sh is None:
             return None
-        gate_inp, gate, up, down = sh
-        y = expert_ffn(x, gate, up, down)
+        gate_inp, ffn = sh
+        y = ffn(x)
         g = mm(x, gate_inp[None, :])[:, 0]
         with np.errstate(over="ignore"):
             return y * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))[:, None]
@@ -200,7 +204,7 @@ class Backbone:
         if tokens.min() < 0 or tokens.max() >= self.cfg.n_vocab:
             raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
         pos = np.arange(cache.n_past, cache.n_past + tokens.size)
-        x = self.tok_embd[tokens]
+        x = self.tok_embd.rows(tokens)
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.attn_norm, self.cfg.rms_eps)
             x = x + self.attention(i, h, pos, cache)
@@ -212,4 +216,4 @@ class Backbone:
             if sh is not None:
                 out = out + sh
             x = x + out
-        return mm(rms_norm(x, self.output_norm, self.cfg.rms_eps), self.output)
+        return self.output(rms_norm(x, self.output_norm, self.cfg.rms_eps))

@@ -8,6 +8,7 @@ the bytes are valid blocks of that type, which is all a reader or benchmark need
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -95,8 +96,12 @@ def random_config(
 
 def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Float32 weights with fan-in scaling; the router is sharper than init so top-k choices are clear."""
+    return dict(_random_arrays(cfg, seed))
+
+
+def _random_arrays(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    """``random_tensors`` one tensor at a time, so a writer can pack each before the next exists."""
     rng = np.random.default_rng(seed)
-    out = {}
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 1:
             arr = 1.0 + 0.1 * rng.standard_normal(shape)
@@ -107,8 +112,7 @@ def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
             elif name == "token_embd.weight":
                 std = 1.0
             arr = std * rng.standard_normal(shape)
-        out[name] = arr.astype(np.float32)
-    return out
+        yield name, arr.astype(np.float32)
 
 
 def random_k_blocks(qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
@@ -140,20 +144,23 @@ def write_random_model(
     if qtype not in SUPPORTED_QTYPES:
         names = ", ".join(sorted(q.name for q in SUPPORTED_QTYPES))
         raise ModelFormatError(f"cannot generate {qtype.name} tensors; choose one of {names}")
-    tensors = random_tensors(cfg, seed)
     tok = byte_level_tokenizer()
     if len(tok.tokens) != cfg.n_vocab:
         raise ModelFormatError(f"random models use the {len(tok.tokens)}-token byte-level vocabulary, not {cfg.n_vocab}")
     raw = {}
     if qtype in K_QUANT_SCALES:
+        # Each float tensor is replaced by its blocks before the next is drawn: a 30B-shaped model's
+        # float32 weights (~7x the file) never exist all at once. Same two random streams, same bytes.
+        tensors = {}
         rng = np.random.default_rng(seed + 1)
-        for name in list(tensors):
-            arr = tensors[name]
+        for name, arr in _random_arrays(cfg, seed):
             if arr.ndim >= 2 and not name.endswith("ffn_gate_inp.weight"):
                 raw[name] = (random_k_blocks(qtype, arr.shape, float(arr.std()), rng), arr.shape, qtype)
-                del tensors[name]
+            else:
+                tensors[name] = arr
         qtype = Q.F32
     else:
+        tensors = random_tensors(cfg, seed)
         block = gguf.GGML_QUANT_SIZES[qtype][0]
         bad = [n for n, a in tensors.items() if a.ndim >= 2 and a.shape[-1] % block]
         if bad:

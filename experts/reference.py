@@ -10,23 +10,32 @@ import numpy as np
 from .errors import UsageError
 
 
-def llamacpp_logits(path: str | Path, tokens: list[int]) -> np.ndarray:
-    """llama.cpp's logits for every position of *tokens*, F32 KV cache, one thread (steady numerics)."""
+def llamacpp(path: str | Path, *, n_ctx: int, n_batch: int, threads: int = 1, threads_batch: int | None = None, logits_all: bool = False):
+    """A llama-cpp-python ``Llama`` on *path* with an F32 KV cache (what our forward keeps), quiet.
+
+    *threads* decode single tokens, *threads_batch* prompts (llama-cpp-python's default: every core).
+    """
     try:
         import llama_cpp
     except ImportError:
         raise UsageError("the llama.cpp reference needs llama-cpp-python: pip install -e '.[llama]'") from None
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    llm = llama_cpp.Llama(
+    return llama_cpp.Llama(
         model_path=str(path),
-        logits_all=True,
-        n_ctx=max(64, len(tokens)),
-        n_batch=max(64, len(tokens)),
+        logits_all=logits_all,
+        n_ctx=n_ctx,
+        n_batch=n_batch,
         type_k=0,
         type_v=0,
-        n_threads=1,
+        n_threads=threads,
+        n_threads_batch=threads_batch,
         verbose=False,
     )
+
+
+def llamacpp_logits(path: str | Path, tokens: list[int]) -> np.ndarray:
+    """llama.cpp's logits for every position of *tokens*, F32 KV cache, one thread (steady numerics)."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    llm = llamacpp(path, n_ctx=max(64, len(tokens)), n_batch=max(64, len(tokens)), logits_all=True)
     try:
         llm.eval(tokens)
         return np.array(llm.scores[: len(tokens)], dtype=np.float32)

@@ -1,4 +1,9 @@
-"""`moeswarm bench experts`' measurement: expert compute per token per layer at the reference config."""
+"""`moeswarm bench experts`' measurement: expert compute per token per layer at the reference config.
+
+Two parts, both at the reference config: today's ``ExpertStore`` paths (F32 cached vs dequantized on
+the fly, through a real GGUF file) and the kernels on the packed bytes next to the memory-bandwidth
+floor the benchmark measures itself (``experts.bench_kernels``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from experts.bench_kernels import bench_kernels
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.moe import partial_sum
 from experts.random_model import random_config, write_random_model
@@ -16,8 +22,8 @@ from experts.slices import ExpertStore
 from node.bench.common import REFERENCE, median_time, message_bytes
 
 
-def run(repeat: int, qtype: str) -> dict:
-    """Cached vs on-the-fly dequantized experts, 1 and 8 tokens, and the exact wire bytes."""
+def run(repeat: int, qtype: str, threads: int = 1) -> dict:
+    """Cached vs on-the-fly dequantized experts, the kernels vs the bandwidth floor, 1 and 8 tokens, and the exact wire bytes."""
     cfg = random_config(**REFERENCE)
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -35,8 +41,14 @@ def run(repeat: int, qtype: str) -> dict:
             for mode, store in stores.items():
                 t = median_time(lambda: partial_sum(store, 0, x, ids, w, held), repeat)
                 compute[f"{mode}_{n}tok_ms_per_token"] = round(t / n * 1e3, 3)
+    # The reference kernel and bench_kernels' cached path are the stores' on-the-fly and cached paths above: not timed twice.
+    kernels = bench_kernels(
+        hidden=cfg.n_embd, n_expert=cfg.n_expert, top_k=cfg.n_expert_used, ffn=cfg.n_ff_exp,
+        qtype=gguf.GGMLQuantizationType[qtype], threads=threads, rounds=repeat, reference_rounds=0,
+    )  # fmt: skip
+    compute.update({k: v for k, v in kernels["expert_compute"].items() if v is not None and k != "reference_kernel"})
     result = {
-        "config": {**REFERENCE, "qtype": qtype},
+        "config": {**REFERENCE, "qtype": qtype, "threads": threads},
         "machine": f"{platform.machine()}, numpy {np.__version__}",
         "expert_compute": compute,
         "bytes_per_token_per_layer": message_bytes(cfg.n_embd, cfg.n_expert_used),

@@ -39,16 +39,47 @@ def publish(result: dict, command: str, *, write_md: str | None, as_json: bool, 
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--repeat", default=5, show_default=True)
 @click.option("--qtype", default="Q4_K", show_default=True)
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="Threads of the fast kernel (ggml).")
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
-def bench_experts(as_json: bool, repeat: int, qtype: str, write_md: str | None) -> None:
-    """Expert compute per token per layer (reference config), cached vs on-the-fly, and wire bytes."""
+def bench_experts(as_json: bool, repeat: int, qtype: str, threads: int, write_md: str | None) -> None:
+    """Expert compute per token per layer (reference config): cached, on-the-fly, the kernels vs the bandwidth floor; wire bytes."""
     from node.bench import experts
 
-    result = experts.run(repeat, qtype)
+    result = experts.run(repeat, qtype, threads)
     compute = result["expert_compute"]
     lines = [f"{k}: {v}" for k, v in compute.items()]
     lines += [f"{k}: out {v['out']} B, back {v['back']} B, total {v['total']} B" for k, v in result["bytes_per_token_per_layer"].items()]
-    publish(result, "moeswarm bench experts --json", write_md=write_md, as_json=as_json, lines=lines)
+    publish(result, f"moeswarm bench experts --json --threads {threads}", write_md=write_md, as_json=as_json, lines=lines)
+
+
+@bench_group.command("engine")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--layers", "n_layer", default=4, show_default=True, type=click.IntRange(1))
+@click.option("--tokens", "n_tokens", default=32, show_default=True, type=click.IntRange(1), help="Decode steps timed per engine per round.")
+@click.option("--prefill", "n_prefill", default=128, show_default=True, type=click.IntRange(1), help="Prompt tokens of the timed prefill.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1), help="Alternating rounds over the engines; medians are reported.")
+@click.option("--qtype", default="Q4_K", show_default=True)
+@click.option("--hidden", "n_embd", default=None, type=int, help="Model width instead of Qwen3-30B-A3B's 2048 (for a quick run).")
+@click.option("--experts", "n_expert", default=None, type=int, help="Experts per layer instead of 128 (for a quick run; top-8 stays).")
+@click.option("--model", "model_path", type=click.Path(dir_okay=False, exists=True), default=None, help="Bench this GGUF instead of writing a random one.")
+@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
+def bench_engine(as_json: bool, n_layer: int, n_tokens: int, n_prefill: int, rounds: int, qtype: str, n_embd: int | None, n_expert: int | None,
+                 model_path: str | None, write_md: str | None) -> None:  # fmt: skip
+    """moeswarm's local engine (ggml kernel) vs llama.cpp on a Qwen3-30B-A3B-shaped model: decode, prefill, peak RSS."""
+    from node.bench import engine
+
+    shape = {k: v for k, v in (("n_embd", n_embd), ("n_expert", n_expert)) if v is not None}
+    result = engine.run(n_layer, n_tokens, n_prefill, rounds, qtype, shape, model_path)
+    d, p, r = result["decode"], result["prefill"], result["rss"]
+    lines = [f"decode tokens/s: moeswarm {d['moeswarm_tps']} (2 threads {d['moeswarm_tps_2t']}), llama.cpp {d['llamacpp_tps_1t']} / {d['llamacpp_tps_2t']}; "
+             f"ratio {d['ratio_1t']} (1 thread), {d['ratio_2t']} (2 threads)",
+             f"prefill {n_prefill} tokens, tokens/s: moeswarm {p['moeswarm_tps']} / {p['moeswarm_tps_2t']}, llama.cpp {p['llamacpp_tps_1t']} / {p['llamacpp_tps_2t']}; "
+             f"ratio {p['ratio_1t']}, {p['ratio_2t']}",
+             "moeswarm decode step (1 thread): " + ", ".join(f"{k} {v}" for k, v in result["moeswarm_decode_step"].items()),
+             f"moeswarm peak RSS {r['moeswarm_bytes'] / 1e6:.1f} MB for a {r['file_bytes'] / 1e6:.1f} MB file ({r['ratio']}x)"]  # fmt: skip
+    command = f"moeswarm bench engine --json --layers {n_layer} --tokens {n_tokens} --prefill {n_prefill} --rounds {rounds} --qtype {qtype}"
+    command += "".join(f" --{k} {v}" for k, v in (("hidden", n_embd), ("experts", n_expert), ("model", model_path)) if v is not None)
+    publish(result, command, write_md=write_md, as_json=as_json, lines=lines)
 
 
 @bench_group.command("dispatch")

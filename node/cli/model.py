@@ -109,6 +109,7 @@ def model_group() -> None:
 @click.option("--hidden", "n_embd", default=64, show_default=True)
 @click.option("--heads", "n_head", default=4, show_default=True)
 @click.option("--kv-heads", "n_head_kv", default=2, show_default=True)
+@click.option("--head-dim", "head_dim", default=None, type=int, help="Attention head width (default hidden / heads; Qwen3-30B-A3B: 128 with hidden 2048, 32 heads).")
 @click.option("--experts", "n_expert", default=8, show_default=True)
 @click.option("--top-k", "n_expert_used", default=2, show_default=True)
 @click.option("--expert-ffn", "n_ff_exp", default=32, show_default=True)
