@@ -31,7 +31,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from experts.forward import Backbone, KVCache, MoeFfn
+from experts.forward import Backbone, KVCache, MoeFfn, local_moe
 from experts.gguf_model import GGUFModel
 from experts.kernels import Kernel, QuantWeight, make_kernel
 from experts.packed_experts import PackedExperts, packed_partial_sum
@@ -44,13 +44,13 @@ THREADS = (1, 2)
 PROMPT = 8  # tokens prefilled, untimed, before each decode run
 
 
-def local_moe(experts: PackedExperts) -> MoeFfn:
+def packed_moe(experts: PackedExperts) -> MoeFfn:
     """The all-local MoE hook on packed experts: every slot of every token, summed in slot order."""
 
     def moe(layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         return packed_partial_sum(experts, layer, x, ids, w, np.ones(ids.shape, dtype=bool))[0]
 
-    return moe
+    return local_moe(moe)
 
 
 class TimedKernel:
@@ -84,7 +84,7 @@ class Moeswarm:
         self.kernel = kernel
         self.backbone = Backbone(model, kernel=kernel)
         self.experts = PackedExperts(model, kernel)
-        self.moe = local_moe(self.experts)
+        self.moe = packed_moe(self.experts)
         self.cache = KVCache()
 
     def reset(self) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from experts.dense_weights import PackedFFN, PackedLinear
-from experts.forward import Backbone, KVCache
+from experts.forward import Backbone, KVCache, local_moe
 from experts.gguf_model import GGUFModel
 from experts.kernels import GgmlKernel, ReferenceKernel
 from experts.moe import ungrouped_moe
@@ -29,7 +29,7 @@ def quantized(model_dir, arch: str, qtype) -> GGUFModel:
 
 def f32_hook(model: GGUFModel):
     store = ExpertStore(model)
-    return lambda i, x, e, w: ungrouped_moe(store, i, x, e, w)
+    return local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w))
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_K])
@@ -63,7 +63,7 @@ def test_ggml_backbone_decodes_incrementally_bit_for_bit(model_dir, arch):
     model = quantized(model_dir, arch, Q.Q4_K)
     kernel = GgmlKernel()
     experts = PackedExperts(model, kernel)
-    hook = lambda i, x, e, w: packed_partial_sum(experts, i, x, e, w, np.ones(e.shape, dtype=bool))[0]  # noqa: E731
+    hook = local_moe(lambda i, x, e, w: packed_partial_sum(experts, i, x, e, w, np.ones(e.shape, dtype=bool))[0])
     bb = Backbone(model, kernel=kernel)
     full = bb.forward(TOKENS, KVCache(), hook)
     cache = KVCache()
@@ -79,7 +79,7 @@ def routed(model: GGUFModel, log: list[np.ndarray]):
         log.append(np.sort(e, axis=1))
         return hook(i, x, e, w)
 
-    return moe
+    return moe  # the hook's Future passes through
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K])
