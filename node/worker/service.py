@@ -22,6 +22,7 @@ from experts import codecs
 from experts.codecs import Codec
 from experts.errors import CodecError
 from experts.moe import partial_sum
+from experts.rows import split_rows
 from experts.slices import ExpertStore
 from node.ledger.receipts import STAMP, build_receipt, sign, work_units
 from node.ledger.sink import LedgerSink
@@ -208,12 +209,9 @@ class Worker:
                     log.error("dispatch.compute_failed", layer=layer, error=repr(exc))
                     continue
                 self.stats.batches += 1
-                start = 0
-                for j in jobs:
-                    n = j.x.shape[0]
+                for j, rows in zip(jobs, split_rows(sums, [j.x.shape[0] for j in jobs]), strict=True):
                     if not j.done.done():
-                        j.done.set_result(sums[start : start + n])
-                    start += n
+                        j.done.set_result(rows)
         finally:
             self._running.discard(layer)
 
