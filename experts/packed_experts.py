@@ -20,6 +20,7 @@ from .errors import SliceError
 from .gguf_model import ExpertRange, GGUFModel
 from .kernels import Kernel, QuantWeight
 from .moe import ExpertSource, ordered_sum
+from .slices import hosted_part
 
 
 class PackedExperts(ExpertSource):
@@ -28,12 +29,7 @@ class PackedExperts(ExpertSource):
     def __init__(self, model: GGUFModel, kernel: Kernel, layers: range | None = None, experts: ExpertRange | None = None) -> None:
         self.model = model
         self.kernel = kernel
-        self.layers = layers if layers is not None else model.layers
-        self.experts = experts or model.experts
-        if self.layers.start < model.layers.start or self.layers.stop > model.layers.stop:
-            raise SliceError(f"layers {self.layers.start}-{self.layers.stop - 1} are not in {model.path}")
-        if self.experts.start < model.experts.start or self.experts.stop > model.experts.stop:
-            raise SliceError(f"experts {self.experts} are not in {model.path} (it has {model.experts})")
+        self.layers, self.experts = hosted_part(model, layers, experts)
         self._stacks: dict[int, tuple[QuantWeight, QuantWeight, QuantWeight]] = {}
 
     def holds(self, layer: int, expert: int) -> bool:

@@ -107,6 +107,17 @@ class LoadPlan:
     budget: int | None
 
 
+def hosted_part(model: GGUFModel, layers: range | None, experts: ExpertRange | None) -> tuple[range, ExpertRange]:
+    """The layers x experts a node hosts (default: all the file has), refused unless *model* holds them."""
+    layers = layers if layers is not None else model.layers
+    experts = experts or model.experts
+    if layers.start < model.layers.start or layers.stop > model.layers.stop:
+        raise SliceError(f"layers {layers.start}-{layers.stop - 1} are not in {model.path} (it has {model.layers.start}-{model.layers.stop - 1})")
+    if experts.start < model.experts.start or experts.stop > model.experts.stop:
+        raise SliceError(f"experts {experts} are not in {model.path} (it has {model.experts})")
+    return layers, experts
+
+
 class ExpertStore(ExpertSource):
     """The experts a node hosts, from a full model or a slice, within a memory budget.
 
@@ -118,12 +129,7 @@ class ExpertStore(ExpertSource):
 
     def __init__(self, model: GGUFModel, layers: range | None = None, experts: ExpertRange | None = None, *, memory_budget: int | None = None) -> None:
         self.model = model
-        self.layers = layers if layers is not None else model.layers
-        self.experts = experts or model.experts
-        if self.layers.start < model.layers.start or self.layers.stop > model.layers.stop:
-            raise SliceError(f"layers {self.layers.start}-{self.layers.stop - 1} are not in {model.path} (it has {model.layers.start}-{model.layers.stop - 1})")
-        if self.experts.start < model.experts.start or self.experts.stop > model.experts.stop:
-            raise SliceError(f"experts {self.experts} are not in {model.path} (it has {model.experts})")
+        self.layers, self.experts = hosted_part(model, layers, experts)
         self.plan = self.plan_for(model, memory_budget, self.layers, self.experts)
         mode, need = self.plan.mode, self.plan.cached_bytes
         self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
