@@ -40,5 +40,8 @@ class CodecError(UsageError):
     """Wire bytes do not decode under the codec they claim, or the codec is not allowed."""
 
 
-class KernelError(MoeSwarmError):
-    """The compute kernel on this machine failed its self-test (a row's bits depend on its batch): do not serve."""
+class KernelError(UsageError):
+    """The compute kernel on this machine failed its self-test (a row's bits depend on its batch): do not serve.
+
+    A usage error because the operator can act on it: choose another kernel (``--kernel reference``).
+    """

@@ -19,8 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # experts.kernels imports this module
+    from .gguf_model import ExpertRange, GGUFModel
+    from .kernels.identity import KernelIdentity
 
 TILE = 8
 
@@ -70,10 +75,28 @@ def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
 
 
 class ExpertSource:
-    """Where a worker's expert weights come from (cached or dequantized on the fly)."""
+    """The experts a node computes: their weights, and their weighted partial sums.
+
+    Callers ask for ``partial_sum``; the base class computes it from float32 ``weights`` with
+    :func:`partial_sum` (the reference numerics), and a source backed by a faster kernel
+    (``experts.packed_experts.PackedExperts``) overrides it. ``identity`` names whose bits the sums
+    are: two sources with equal identities give identical bits for identical inputs.
+    """
+
+    model: GGUFModel
+    layers: range
+    experts: ExpertRange
+    identity: KernelIdentity
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise NotImplementedError
+
+    def partial_sum(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """See :func:`partial_sum`."""
+        return partial_sum(self, layer, x, expert_ids, weights, held)
+
+    def warm(self) -> None:
+        """Make the first dispatches as fast as the later ones (load caches, fault pages in); default: nothing."""
 
 
 def partial_sum(
@@ -175,7 +198,7 @@ def grouped_moe(
     source: ExpertSource, partition: Partition, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray
 ) -> np.ndarray:
     """The local path: every group's partial sum computed here, combined in protocol order."""
-    return combine([partial_sum(source, layer, x, expert_ids, weights, partition.held_mask(g, expert_ids)) for g in range(len(partition.bounds))])
+    return combine([source.partial_sum(layer, x, expert_ids, weights, partition.held_mask(g, expert_ids)) for g in range(len(partition.bounds))])
 
 
 def hot_grouped_moe(
@@ -185,9 +208,9 @@ def hot_grouped_moe(
     for its experts that are not hot, and the hot ones form one extra group, added last."""
     is_hot = hot[expert_ids]
     groups = [partition.held_mask(g, expert_ids) & ~is_hot for g in range(len(partition.bounds))] + [is_hot]
-    return combine([partial_sum(source, layer, x, expert_ids, weights, held) for held in groups])
+    return combine([source.partial_sum(layer, x, expert_ids, weights, held) for held in groups])
 
 
 def ungrouped_moe(source: ExpertSource, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Plain slot-order sum over all k experts (what a single llama.cpp process does)."""
-    return partial_sum(source, layer, x, expert_ids, weights, np.ones(expert_ids.shape, dtype=bool))[0]
+    return source.partial_sum(layer, x, expert_ids, weights, np.ones(expert_ids.shape, dtype=bool))[0]

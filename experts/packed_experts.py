@@ -5,7 +5,7 @@ Q4_K file in memory) or dequantizes per dispatch (~12x slower). ``PackedExperts`
 it hands the kernel views into the file's memory map, so resident memory for weights is the
 pages of the experts actually used, at most the file size, and compute runs on the packed bytes.
 
-``packed_partial_sum`` is ``moe.partial_sum`` with one kernel call for every (token, held slot)
+Its ``partial_sum`` is ``moe.partial_sum`` with one kernel call for every (token, held slot)
 pair instead of one FFN per expert; the weighting and the slot-order sum are the same code, so
 with the reference kernel its bits are exactly today's (tested), and with another kernel they
 are that kernel's (batch invariant, as its self-test proves).
@@ -18,7 +18,7 @@ import numpy as np
 from .arch import FUSED_GATE_UP
 from .errors import SliceError
 from .gguf_model import ExpertRange, GGUFModel
-from .kernels import Kernel, QuantWeight
+from .kernels import Kernel, KernelIdentity, QuantWeight
 from .moe import ExpertSource, ordered_sum
 from .slices import hosted_part
 
@@ -36,14 +36,15 @@ class PackedExperts(ExpertSource):
         return layer in self.layers and expert in self.experts
 
     @property
-    def packed_bytes(self) -> int:
-        """Bytes of the hosted experts' packed weights (what resident memory for them tends to)."""
-        total = 0
-        for i in self.layers:
-            for kind in self.model.expert_kinds(i):
-                t = self.model.tensors[f"blk.{i}.{kind}.weight"]
-                total += t.n_bytes // self.model.shape(t.name)[0] * len(self.experts)
-        return total
+    def identity(self) -> KernelIdentity:
+        return self.kernel.identity
+
+    def warm(self) -> None:
+        """Fault every page of the hosted experts in (a byte per page), so the first dispatches do not."""
+        first = self.experts.start - self.model.experts.start
+        for layer in self.layers:
+            for w in self.stacks(layer):
+                int(w.data[first : first + len(self.experts), ::4096].sum())
 
     def stacks(self, layer: int) -> tuple[QuantWeight, QuantWeight, QuantWeight]:
         """(gate, up, down) of *layer* as zero-copy views of the file, indexed by local expert."""
@@ -76,20 +77,12 @@ class PackedExperts(ExpertSource):
             raise SliceError(f"expert {expert} of layer {layer} is not hosted here")
         return self.model.expert_weights(layer, expert)
 
-
-def packed_partial_sum(
-    source: PackedExperts,
-    layer: int,
-    x: np.ndarray,
-    expert_ids: np.ndarray,
-    weights: np.ndarray,
-    held: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``moe.partial_sum`` through the source's kernel: every held (token, slot) pair in one call."""
-    n, k = expert_ids.shape
-    contrib = np.zeros((n, k, x.shape[1]), dtype=np.float32)
-    rows, slots = np.nonzero(held)
-    if len(rows):
-        y = source.ffn(layer, x[rows], expert_ids[rows, slots])
-        contrib[rows, slots] = weights[rows, slots][:, None] * y
-    return ordered_sum(contrib, held)
+    def partial_sum(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``moe.partial_sum`` through the kernel: every held (token, slot) pair in one call."""
+        n, k = expert_ids.shape
+        contrib = np.zeros((n, k, x.shape[1]), dtype=np.float32)
+        rows, slots = np.nonzero(held)
+        if len(rows):
+            y = self.ffn(layer, x[rows], expert_ids[rows, slots])
+            contrib[rows, slots] = weights[rows, slots][:, None] * y
+        return ordered_sum(contrib, held)

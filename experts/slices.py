@@ -1,4 +1,4 @@
-"""Expert slices: cut (layers x expert range) out of a model, prove where it came from, load it in a budget.
+"""Expert slices: cut (layers x expert range) out of a model, prove where it came from, compute it (reference).
 
 A slice file is a GGUF holding only the stacked expert tensors of its layers,
 cut along ne[2] to its expert range, in the original quantization (bytes copied,
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -21,6 +20,7 @@ import structlog
 
 from .errors import SliceError
 from .gguf_model import SLICE_PREFIX, ExpertRange, GGUFModel, config_line, model_digest
+from .kernels.reference import ReferenceKernel
 from .model_writer import add_hparams
 from .moe import ExpertSource
 
@@ -100,13 +100,6 @@ def check_slice(sl: GGUFModel, expected_digest: str | None = None) -> None:
                     raise SliceError(f"slice {sl.path}: expert {e} of {name} does not match the model's bytes")
 
 
-@dataclass(frozen=True)
-class LoadPlan:
-    mode: str  # "cached" (dequantized once) or "on-the-fly" (dequantized per dispatch from the mmap)
-    cached_bytes: int  # float32 bytes a cache of every hosted expert would take
-    budget: int | None
-
-
 def hosted_part(model: GGUFModel, layers: range | None, experts: ExpertRange | None) -> tuple[range, ExpertRange]:
     """The layers x experts a node hosts (default: all the file has), refused unless *model* holds them."""
     layers = layers if layers is not None else model.layers
@@ -119,29 +112,22 @@ def hosted_part(model: GGUFModel, layers: range | None, experts: ExpertRange | N
 
 
 class ExpertStore(ExpertSource):
-    """The experts a node hosts, from a full model or a slice, within a memory budget.
+    """The experts a node hosts, from a full model or a slice, through the numpy reference numerics.
 
-    With room for every hosted expert in float32 it keeps each expert dequantized
-    after its first use ("cached"; :meth:`warm` fills it up front); otherwise it
-    keeps only the quantized memory map and dequantizes per call ("on-the-fly"):
-    slower, but a phone can host a slice larger than its RAM.
+    With *cache* it keeps each expert dequantized to float32 after its first use ("cached";
+    :meth:`warm` fills it up front, ~7x a Q4_K file); otherwise it keeps only the quantized
+    memory map and dequantizes per call ("on-the-fly": slower, the packed size in memory).
+    Its bits are ``ReferenceKernel``'s; :mod:`experts.hosting` decides when to use it.
     """
 
-    def __init__(self, model: GGUFModel, layers: range | None = None, experts: ExpertRange | None = None, *, memory_budget: int | None = None) -> None:
+    identity = ReferenceKernel.identity
+
+    def __init__(self, model: GGUFModel, layers: range | None = None, experts: ExpertRange | None = None, *, cache: bool = True) -> None:
         self.model = model
         self.layers, self.experts = hosted_part(model, layers, experts)
-        self.plan = self.plan_for(model, memory_budget, self.layers, self.experts)
-        mode, need = self.plan.mode, self.plan.cached_bytes
+        self.mode = "cached" if cache else "on-the-fly"
         self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        log.info("experts.loaded", path=str(model.path), layers=f"{self.layers.start}-{self.layers.stop - 1}", experts=str(self.experts), mode=mode, float_bytes=need, budget=memory_budget)
-
-    @staticmethod
-    def plan_for(model: GGUFModel, memory_budget: int | None, layers: range | None = None, experts: ExpertRange | None = None) -> LoadPlan:
-        """Cached when every hosted expert fits the budget in float32, else on-the-fly."""
-        cfg = model.cfg
-        n = len(layers if layers is not None else model.layers) * len(experts or model.experts)
-        need = 3 * cfg.n_ff_exp * cfg.n_embd * 4 * n
-        return LoadPlan("cached" if memory_budget is None or need <= memory_budget else "on-the-fly", need, memory_budget)
+        log.debug("experts.opened", path=str(model.path), layers=f"{self.layers.start}-{self.layers.stop - 1}", experts=str(self.experts), mode=self.mode)
 
     def holds(self, layer: int, expert: int) -> bool:
         return layer in self.layers and expert in self.experts
@@ -152,13 +138,13 @@ class ExpertStore(ExpertSource):
         cached = self._cache.get((layer, expert))
         if cached is None:
             cached = self.model.expert_weights(layer, expert)
-            if self.plan.mode == "cached":
+            if self.mode == "cached":
                 self._cache[(layer, expert)] = cached
         return cached
 
     def warm(self) -> None:
         """Dequantize every hosted expert now (cached mode), so the first dispatches pay nothing."""
-        if self.plan.mode == "cached":
+        if self.mode == "cached":
             for i in self.layers:
                 for e in range(self.experts.start, self.experts.stop):
                     self.weights(i, e)

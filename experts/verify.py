@@ -20,8 +20,9 @@ from .codecs import Codec, roundtrip
 from .errors import CodecError
 from .forward import Backbone, KVCache, local_moe
 from .gguf_model import GGUFModel
-from .moe import ExpertSource, Partition, combine, grouped_moe, partial_sum, ungrouped_moe
-from .slices import ExpertStore
+from .hosting import open_experts
+from .kernels import Kernel
+from .moe import ExpertSource, Partition, combine, grouped_moe, ungrouped_moe
 
 MIN_COSINE = 0.999
 TIE_GAP = 0.2
@@ -67,7 +68,7 @@ def wire_moe(source: ExpertSource, partition: Partition, codec: Codec):
             rows = held.any(axis=1)
             sums = np.zeros_like(x)
             if rows.any():
-                got, _ = partial_sum(source, layer, roundtrip(codec, x[rows]), ids[rows], w[rows], held[rows])
+                got, _ = source.partial_sum(layer, roundtrip(codec, x[rows]), ids[rows], w[rows], held[rows])
                 sums[rows] = roundtrip(codec, got)
             partials.append((sums, rows))
         return combine(partials)
@@ -75,13 +76,13 @@ def wire_moe(source: ExpertSource, partition: Partition, codec: Codec):
     return moe_ffn
 
 
-def run_gate(model: GGUFModel, codec: Codec, *, groups: int = 3, prompt: str = DEFAULT_PROMPT, reference: str | None = None) -> dict:
-    """Everything `moeswarm verify` prints, as one dict."""
+def run_gate(model: GGUFModel, codec: Codec, *, kernel: Kernel, groups: int = 3, prompt: str = DEFAULT_PROMPT, reference: str | None = None) -> dict:
+    """Everything `moeswarm verify` prints, as one dict: the dense part and the experts computed by *kernel*."""
     from .tokenizer import Tokenizer
 
     tokens = Tokenizer.from_spec(model.tokenizer_spec).encode(prompt)[: model.cfg.context_length]
-    store = ExpertStore(model)
-    bb = Backbone(model)
+    store, _ = open_experts(model, kernel)
+    bb = Backbone(model, kernel)
     part = Partition.even(model.cfg.n_expert, groups)
     local = bb.forward(tokens, KVCache(), local_moe(lambda i, x, ids, w: grouped_moe(store, part, i, x, ids, w)))
     remote = bb.forward(tokens, KVCache(), local_moe(wire_moe(store, part, codec)))
@@ -107,5 +108,6 @@ def run_gate(model: GGUFModel, codec: Codec, *, groups: int = 3, prompt: str = D
         "remote_vs_local": asdict(rl),
         "grouped_vs_ungrouped_max_abs_diff": float(np.abs(local - ungrouped).max()),
         "reference": ref,
+        "kernel": str(kernel.identity),
         "verdict": verdict,
     }

@@ -11,10 +11,10 @@ signed bytes are exactly the transmitted bytes and any changed byte fails verifi
 
 Layout of a value (all integers big-endian)::
 
-    magic "MSR1" | peer id (u8 len + bytes) | model digest (32 bytes) | layer u16
+    magic "MSR2" | peer id (u8 len + bytes) | model digest (32 bytes) | layer u16
     | n ranges u8, n x (start u16, stop u16) | quic addr (u8 len + ASCII, empty = none)
     | relay url (u16 len + ASCII) | relay peer id (u8 len + bytes; both empty = no relay)
-    | capacity u32 | price u64 | issued_at u64 | expires_at u64 | seq u64 | Ed25519 signature (64)
+    | kernel identity (u8 len + ASCII, empty = not said) | capacity u32 | price u64 | issued_at u64 | expires_at u64 | seq u64 | Ed25519 signature (64)
 
 The signature covers ``SIGNING_CONTEXT + everything before it``.
 
@@ -42,7 +42,7 @@ from p2p import frames
 from p2p.identity import Identity, IdentityError, PeerId
 
 NAMESPACE = "moeswarm"
-MAGIC = b"MSR1"
+MAGIC = b"MSR2"  # v2: the kernel identity joined the record
 SIGNING_CONTEXT = b"moeswarm/host-record/v1\n"
 HELPER_MAGIC = b"MSH1"
 HELPER_SIGNING_CONTEXT = b"moeswarm/helper-record/v1\n"
@@ -50,8 +50,9 @@ SIGNATURE_BYTES = 64
 MAX_RANGES = 64
 MAX_QUIC_ADDR_BYTES = 255
 MAX_RELAY_URL_BYTES = 512
-# The largest record the limits above allow is 1243 bytes; anything bigger is refused unread.
-MAX_RECORD_BYTES = 1280
+MAX_KERNEL_BYTES = 255
+# The largest record the limits above allow is 1499 bytes; anything bigger is refused unread.
+MAX_RECORD_BYTES = 1536
 MAX_LIFETIME = 24 * 3600  # libp2p stores values for 24 h; a longer promise could not be kept
 MAX_CLOCK_SKEW = 60  # seconds a record's issued_at may lie in the future of our clock
 _U16, _U32, _U64 = 0xFFFF, 0xFFFF_FFFF, 0xFFFF_FFFF_FFFF_FFFF
@@ -141,6 +142,9 @@ class HostedSlice:
     ``expert_ranges`` are half-open ``(start, stop)`` expert index ranges, sorted and disjoint.
     A slice with no ranges is a tombstone: it replaces an earlier record to say "no longer hosted".
     ``price`` is per work unit in the ledger's smallest unit (an integer, so signed bytes are exact).
+    ``kernel`` is the worker's compute kernel identity (``experts.kernels.KernelIdentity`` as text): a backbone
+    expects bit-identical sums only from a worker whose kernel is the same as its own, and compares the others'
+    within the quantized-weights tolerance.
     """
 
     model_digest: str
@@ -150,6 +154,7 @@ class HostedSlice:
     relay: RelayAddress | None = None
     capacity: int = 0
     price: int = 0
+    kernel: str = ""
 
     def __post_init__(self) -> None:
         digest = self.model_digest
@@ -174,6 +179,8 @@ class HostedSlice:
             check_quic_addr(self.quic_addr)
         if self.relay is not None and not isinstance(self.relay, RelayAddress):
             raise MalformedRecord(f"relay must be a RelayAddress, got {type(self.relay).__name__}")
+        if not isinstance(self.kernel, str) or len(self.kernel) > MAX_KERNEL_BYTES or not self.kernel.isascii() or not self.kernel.isprintable():
+            raise MalformedRecord(f"kernel identity must be at most {MAX_KERNEL_BYTES} printable ASCII characters, got {self.kernel!r}")
         if self.expert_ranges and self.quic_addr is None and self.relay is None:
             raise MalformedRecord("a hosted slice needs a QUIC address, a relay address, or both")
 
@@ -259,6 +266,8 @@ class HostRecord:
             relay_url,
             bytes([len(relay_peer)]),
             relay_peer,
+            bytes([len(h.kernel)]),
+            h.kernel.encode("ascii"),
             _TAIL.pack(h.capacity, h.price, self.issued_at, self.expires_at, self.seq),
         ]
         return b"".join(parts)
@@ -383,7 +392,7 @@ def _open(value: bytes, magic: bytes, kind: str) -> tuple[_Reader, PeerId]:
         raise RecordTooLarge(f"record has {len(value)} bytes, the limit is {MAX_RECORD_BYTES}")
     r = _Reader(bytes(value))
     if r.take(len(magic), "magic") != magic:
-        raise MalformedRecord(f"record does not start with {magic!r} (not a moeswarm {kind} record v1)")
+        raise MalformedRecord(f"record does not start with {magic!r} (not a moeswarm {kind} record of this version)")
     return r, r.peer_id(r.u8("peer id length"), "peer id")
 
 
@@ -399,10 +408,11 @@ def decode(value: bytes) -> tuple[HostRecord, bytes]:
     if bool(relay_url) != bool(relay_peer_len):
         raise MalformedRecord("relay url and relay peer id must be both present or both absent")
     relay = RelayAddress(relay_url, r.peer_id(relay_peer_len, "relay peer id")) if relay_url else None
+    kernel = r.text(r.u8("kernel identity length"), "kernel identity")
     capacity, price, issued_at, expires_at, seq = _TAIL.unpack(r.take(_TAIL.size, "fixed fields"))
     signature = r.take(SIGNATURE_BYTES, "signature")
     r.finish("signature")
-    hosted = HostedSlice(digest, layer, ranges, quic, relay, capacity, price)
+    hosted = HostedSlice(digest, layer, ranges, quic, relay, capacity, price, kernel)
     return HostRecord(peer_id, hosted, issued_at, expires_at, seq), signature
 
 

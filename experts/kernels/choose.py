@@ -8,6 +8,7 @@ on the batch. ``ggml`` is the default because it is the fast one; ``reference`` 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from ..errors import KernelError
@@ -28,7 +29,13 @@ def make_kernel(name: str = DEFAULT, threads: int = 1, *, check: bool = True) ->
     make = KERNELS.get(name)
     if make is None:
         raise KernelError(f"unknown kernel {name!r}; choose one of {', '.join(sorted(KERNELS))}")
-    kernel = make(threads)
-    if check:
-        self_test(kernel)
+    return _checked(name, threads) if check else make(threads)
+
+
+@functools.cache
+def _checked(name: str, threads: int) -> Kernel:
+    """One self-tested instance per (name, threads) and process: kernels are thread safe, and the
+    self-test proves a property of the build and the CPU, which do not change while we run."""
+    kernel = KERNELS[name](threads)
+    self_test(kernel)
     return kernel

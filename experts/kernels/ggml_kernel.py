@@ -15,13 +15,16 @@ ggml buffer, so ggml's "extra buffer" repacking never applies) every output elem
 ``vec_dot`` over one weight row and one converted activation row, whichever thread runs it; the
 startup self-test checks it anyway because other builds (ARM i8mm pairs rows) may differ.
 
-A kernel instance is not thread safe (it reuses one work buffer); use one per thread.
+One instance may be shared by threads (a worker computes on its event loop and on a pool thread, a
+backbone's forward and its local experts run on different threads): each thread has its own work buffer.
+ctypes releases the GIL during ``ggml_graph_compute``, so the threads do run at once.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from importlib.metadata import version
 
 # libggml's threads are OpenMP's, and libgomp reads this once, when it is loaded (by ``import ggml``).
@@ -80,7 +83,7 @@ class GgmlKernel:
             fallback=FALLBACK,
         )
         self._reference = ReferenceKernel()
-        self._work = np.empty(0, dtype=np.uint8)
+        self._local = threading.local()  # .work: this thread's ggml work buffer, grown on demand
 
     # ---- graph plumbing ---------------------------------------------------------------------
 
@@ -101,10 +104,11 @@ class GgmlKernel:
         graph = ggml.ggml_new_graph(ctx)
         ggml.ggml_build_forward_expand(graph, out)
         plan = ggml.ggml_graph_plan(graph, self.threads, None)
-        if plan.work_size > self._work.size:
-            self._work = np.empty(plan.work_size, dtype=np.uint8)
+        work = getattr(self._local, "work", None)
+        if work is None or plan.work_size > work.size:
+            work = self._local.work = np.empty(plan.work_size, dtype=np.uint8)
         if plan.work_size:
-            plan.work_data = ctypes.cast(_ptr(self._work), ctypes.POINTER(ctypes.c_uint8))
+            plan.work_data = ctypes.cast(_ptr(work), ctypes.POINTER(ctypes.c_uint8))
         status = ggml.ggml_graph_compute(graph, ctypes.byref(plan))
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute failed with status {status}")

@@ -38,7 +38,7 @@ def _check(kernel: Kernel, what: str, call: Callable[[np.ndarray], np.ndarray], 
     def fail(case: str) -> None:
         raise KernelError(
             f"kernel {kernel.identity} is not batch invariant on this machine ({what}: {case}); "
-            "it must not serve: its results would change with the batch a row lands in"
+            "it must not serve: its results would change with the batch a row lands in; run with --kernel reference"
         )
 
     for m in range(1, len(x) + 1):

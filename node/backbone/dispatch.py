@@ -29,7 +29,7 @@ import structlog
 from experts import codecs
 from experts.codecs import Codec
 from experts.errors import MoeSwarmError
-from experts.moe import ExpertSource, combine, partial_sum
+from experts.moe import ExpertSource, combine
 from node.backbone.hot import HotExperts
 from node.backbone.routing import Host, Router
 from node.backbone.spotcheck import SpotChecker, compare
@@ -229,7 +229,7 @@ class RemoteMoE:
 
     async def _local(self, layer: int, x, ids, w, held) -> np.ndarray:
         loop = asyncio.get_running_loop()
-        sums, _ = await loop.run_in_executor(None, partial_sum, self.fallback, layer, x, ids, w, held)
+        sums, _ = await loop.run_in_executor(None, self.fallback.partial_sum, layer, x, ids, w, held)
         return sums
 
     async def _group(self, layer: int, group: int, x, ids, w, held, pins: Pins | None) -> np.ndarray:
@@ -312,7 +312,7 @@ class RemoteMoE:
         """Re-compute this dispatch locally; on a mismatch dispute the receipt, ban the host, return the right answer."""
         self.checker.checked += 1
         want = codecs.roundtrip(self.codec, await self._local(layer, codecs.roundtrip(self.codec, x), ids, w, held))
-        result = compare(self.codec, sums, want)
+        result = compare(self.codec, sums, want, same_kernel=host.kernel == str(self.fallback.identity))
         if result.ok:
             return None
         self.checker.caught += 1

@@ -55,6 +55,7 @@ class Host:
     ranges: tuple[tuple[int, int], ...]
     price: int
     relay: RelayAddress | None = None
+    kernel: str = ""  # the worker's kernel identity from its record: its sums are bit-comparable with ours if equal
 
     @property
     def path(self) -> Path:
@@ -69,7 +70,7 @@ class Host:
             addr = (host.strip("[]"), int(port))
         elif r.hosted.relay is None:
             return None
-        return cls(r.peer_id, addr, r.hosted.expert_ranges, r.hosted.price, r.hosted.relay)
+        return cls(r.peer_id, addr, r.hosted.expert_ranges, r.hosted.price, r.hosted.relay, r.hosted.kernel)
 
     def covers(self, start: int, stop: int) -> bool:
         return any(a <= start and stop <= b for a, b in self.ranges)

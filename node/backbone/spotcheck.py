@@ -2,9 +2,10 @@
 
 hivemind only checks answers for NaN/Inf; a worker can return plausible garbage and be
 paid for it. The backbone re-computes a configurable fraction of dispatches from its own
-copy of the experts (exact inputs, same kernel) and compares: with an F32 wire the
-answer must be bit-identical; a lossy wire must stay within the gate's tolerance
-(cosine >= 0.999 per token and a small absolute error). A mismatch disputes the
+copy of the experts (exact inputs) and compares: with an F32 wire and a worker whose kernel
+identity (from its record) equals ours the answer must be bit-identical; a lossy wire, or
+another kernel (other quantized-activation rounding, another library), must stay within the
+quantized-weights tolerance (cosine >= 0.999 per token and a small absolute error). A mismatch disputes the
 receipt (unpaid), is logged with the evidence, and bans the worker with exponential
 backoff. Pure functions and a small policy object; the backbone does the I/O.
 """
@@ -30,13 +31,14 @@ class CheckResult:
     min_cosine: float
 
 
-def compare(codec: Codec, got: np.ndarray, want: np.ndarray) -> CheckResult:
-    """Does a worker's answer match the backbone's own computation under *codec*?"""
+def compare(codec: Codec, got: np.ndarray, want: np.ndarray, *, same_kernel: bool = True) -> CheckResult:
+    """Does a worker's answer match the backbone's own computation under *codec*, computed by the same
+    kernel as the worker's (*same_kernel*: bits must match on an F32 wire) or another one?"""
     diff = float(np.abs(got - want).max()) if got.size else 0.0
     norms = np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1)
     cos = np.where(norms > 0, (got * want).sum(-1) / np.where(norms > 0, norms, 1), 1.0)
     min_cos = float(cos.min()) if cos.size else 1.0
-    if codec is Codec.F32:
+    if codec is Codec.F32 and same_kernel:
         return CheckResult(got.tobytes() == want.tobytes(), diff, min_cos)
     scale = float(np.abs(want).max()) if want.size else 0.0
     return CheckResult(min_cos >= MIN_COSINE and diff <= 0.05 * scale + 1e-6, diff, min_cos)

@@ -14,9 +14,10 @@ import numpy as np
 from experts.forward import Backbone, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
+from experts.hosting import open_experts
+from experts.kernels import make_kernel
 from experts.moe import Partition, grouped_moe
 from experts.random_model import random_config, write_random_model
-from experts.slices import ExpertStore
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bench.common import REFERENCE, message_bytes
 from node.launcher import Cluster
@@ -31,8 +32,9 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
         path = Path(tmp) / "reference.gguf"
         write_random_model(path, cfg, qtype=gguf.GGMLQuantizationType[qtype])
         model = GGUFModel(path)
-        bb = Backbone(model)
-        store = ExpertStore(model)
+        kernel = make_kernel("ggml", 1)  # local and backbone; each worker the same, one thread each
+        bb = Backbone(model, kernel)
+        store, _ = open_experts(model, kernel)
         whole = Partition(((0, cfg.n_expert),))
         local_hook = local_moe(lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w))
         store.warm()
@@ -46,7 +48,7 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
             # Two one-worker swarms, so each backbone session reaches exactly its worker: one pair records
             # receipts in ledgers on both sides, the other runs with no ledger.
             boots = [cluster.start(f"bootstrap-{name}", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0] for name in ("plain", "ledger")]
-            worker_args = ("worker", "--model", str(path), "--max-datagram", str(max_datagram))
+            worker_args = ("worker", "--model", str(path), "--max-datagram", str(max_datagram), "--kernel", "ggml", "--threads", "1")
             cluster.start("worker-no-ledger", *worker_args, "--bootstrap", boots[0], "--no-ledger").wait_ready(600)
             cluster.start("worker-ledger", *worker_args, "--bootstrap", boots[1]).wait_ready(600)
 
@@ -54,7 +56,7 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
                 """Rounds alternate local / remote without ledgers / remote with ledgers on both sides,
                 so drifting machine load hits all three alike."""
                 ledger_path = Path(tmp) / "backbone-ledger.sqlite"
-                session = dict(max_datagram=max_datagram)
+                session = dict(max_datagram=max_datagram, kernel=kernel)
                 async with backbone_session(Identity.generate(), model, [boots[0]], **session) as bare, backbone_session(Identity.generate(), model, [boots[1]], ledger_path=ledger_path, **session) as booked:
                     for moe in (bare, booked):
                         await wait_for_hosts(moe, model.layers, 1, 60)
@@ -75,6 +77,7 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
     result = {
         "config": {**REFERENCE, "n_layer": n_layer, "n_expert": n_expert, "qtype": qtype, "max_datagram": max_datagram},
         "machine": f"{platform.machine()}, numpy {np.__version__}, OPENBLAS_NUM_THREADS=1",
+        "kernel": f"{kernel.identity}, 1 thread per process",
         "bytes_per_token_per_layer": message_bytes(cfg.n_embd, cfg.n_expert_used),
         "measured_f32_bytes_per_token_per_layer": stats["bytes_per_token_per_layer"],
         "throughput": {"local_tokens_s": round(local_tps, 3), "remote_tokens_s": round(remote_tps, 3), "ratio": round(remote_tps / local_tps, 3)},

@@ -5,7 +5,7 @@ of 128, 128 experts, top-8, FFN 768; Q4_K) in alternating rounds, so drift and n
 them alike:
 
 * moeswarm: ``Backbone`` with the ggml kernel on the packed bytes for the dense part, and
-  ``PackedExperts`` / ``packed_partial_sum`` (same kernel) as the local MoE hook;
+  ``PackedExperts.partial_sum`` (same kernel) as the local MoE hook;
 * llama.cpp: llama-cpp-python with an F32 KV cache (``type_k=type_v=0``, as our forward keeps).
 
 Each at 1 and 2 threads: greedy decode tokens/s (a short prompt prefilled untimed, then one token
@@ -34,7 +34,7 @@ import numpy as np
 from experts.forward import Backbone, KVCache, MoeFfn, local_moe
 from experts.gguf_model import GGUFModel
 from experts.kernels import Kernel, QuantWeight, make_kernel
-from experts.packed_experts import PackedExperts, packed_partial_sum
+from experts.packed_experts import PackedExperts
 from experts.random_model import random_config, write_random_model
 from experts.reference import llamacpp
 
@@ -48,7 +48,7 @@ def packed_moe(experts: PackedExperts) -> MoeFfn:
     """The all-local MoE hook on packed experts: every slot of every token, summed in slot order."""
 
     def moe(layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return packed_partial_sum(experts, layer, x, ids, w, np.ones(ids.shape, dtype=bool))[0]
+        return experts.partial_sum(layer, x, ids, w, np.ones(ids.shape, dtype=bool))[0]
 
     return local_moe(moe)
 

@@ -31,7 +31,7 @@ def run(repeat: int, qtype: str, threads: int = 1) -> dict:
         write_random_model(path, cfg, qtype=gguf.GGMLQuantizationType[qtype])
         model = GGUFModel(path)
         pool = ExpertRange(0, 16)  # tokens route among 16 experts so the cached store fits in RAM
-        stores = {"cached": ExpertStore(model, experts=pool), "on_the_fly": ExpertStore(model, experts=pool, memory_budget=0)}
+        stores = {"cached": ExpertStore(model, experts=pool), "on_the_fly": ExpertStore(model, experts=pool, cache=False)}
         compute = {}
         for n in (1, 8):
             x = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)

@@ -21,10 +21,12 @@ from experts.embedded import DEFAULT_PROMPT, EMBEDDED_MODEL
 from experts.forward import Backbone, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
+from experts.hosting import open_experts
+from experts.kernels import Kernel
 from experts.moe import Partition, grouped_moe
-from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
+from node.cli.options import kernel_options, open_kernel
 from node.cli.root import emit_json
 from node.cli.streaming import stream_tokens
 from node.launcher import Cluster
@@ -43,9 +45,11 @@ LOOPBACK_DATAGRAM = 16384  # everything runs on loopback: large QUIC datagrams c
 @click.option("--wire", default="f32", show_default=True, type=click.Choice(["f32", "f16", "int8"]))
 @click.option("--workdir", default=None, help="Node logs, keys and ledgers (default: a new directory under $MOESWARM_HOME/demo).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary instead of streaming text.")
-def demo_cmd(model_path: str, prompt: str, n_tokens: int, n_workers: int, wire: str, workdir: str | None, as_json: bool) -> None:
+@kernel_options
+def demo_cmd(model_path: str, prompt: str, n_tokens: int, n_workers: int, wire: str, workdir: str | None, as_json: bool, kernel_name: str, threads: int | None) -> None:
     """Start a bootstrap node and workers on loopback, generate text through them, compare with the local run."""
     model = GGUFModel(model_path)
+    kernel = open_kernel(kernel_name, threads)  # the backbone's; each worker process self-tests its own
     part = Partition.even(model.cfg.n_expert, n_workers)
     root = Path(workdir) if workdir else data_dir(None, "demo") / time.strftime("run-%Y%m%d-%H%M%S")
     with Cluster(root) as cluster:
@@ -54,12 +58,12 @@ def demo_cmd(model_path: str, prompt: str, n_tokens: int, n_workers: int, wire: 
         boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()
         addr = boot["dht_addrs"][0]
         say(f"bootstrap {boot['peer_id']} at {addr}")
-        procs = [cluster.start(f"worker{i}", "worker", "--model", str(model.path), "--experts", f"{a}-{b - 1}", "--bootstrap", addr, "--max-datagram", str(LOOPBACK_DATAGRAM)) for i, (a, b) in enumerate(part.bounds)]
+        procs = [cluster.start(f"worker{i}", "worker", "--model", str(model.path), "--experts", f"{a}-{b - 1}", "--bootstrap", addr, "--max-datagram", str(LOOPBACK_DATAGRAM), "--kernel", kernel_name, "--threads", "1") for i, (a, b) in enumerate(part.bounds)]
         workers = [p.wait_ready() for p in procs]
         for w, (a, b) in zip(workers, part.bounds):
-            say(f"worker {w['peer_id']} at {w['quic_addr']}: experts {a}-{b - 1} of every layer ({w['load']})")
+            say(f"worker {w['peer_id']} at {w['quic_addr']}: experts {a}-{b - 1} of every layer ({w['load']}, kernel {w['kernel']})")
         backbone_home = data_dir(str(root / "backbone"), "backbone")
-        summary = asyncio.run(_run(model, part, addr, prompt, n_tokens, Codec.parse(wire), load_identity(backbone_home), backbone_home / FILENAME, stream=not as_json))
+        summary = asyncio.run(_run(model, kernel, part, addr, prompt, n_tokens, Codec.parse(wire), load_identity(backbone_home), backbone_home / FILENAME, stream=not as_json))
     summary["workers"] = [{"peer_id": w["peer_id"], "experts": f"{a}-{b - 1}", "path": "direct", "dispatches": summary["per_peer"].get(w["peer_id"], 0)} for w, (a, b) in zip(workers, part.bounds)]
     summary["ledger_paths"] = [w["ledger"] for w in workers] + [str(backbone_home / FILENAME)]
     summary["workdir"] = str(root)
@@ -77,16 +81,16 @@ def demo_cmd(model_path: str, prompt: str, n_tokens: int, n_workers: int, wire: 
         raise SystemExit(1)
 
 
-async def _run(model: GGUFModel, part: Partition, bootstrap: str, prompt: str, n_tokens: int, codec: Codec, identity: Identity, ledger_path: Path, *, stream: bool) -> dict:
+async def _run(model: GGUFModel, kernel: Kernel, part: Partition, bootstrap: str, prompt: str, n_tokens: int, codec: Codec, identity: Identity, ledger_path: Path, *, stream: bool) -> dict:
     tok = Tokenizer.from_spec(model.tokenizer_spec)
-    bb = Backbone(model)
+    bb = Backbone(model, kernel)
     ids = tok.encode(prompt)
     stop = {tok.eos_id}
-    async with backbone_session(identity, model, [bootstrap], codec=codec, max_datagram=LOOPBACK_DATAGRAM, ledger_path=ledger_path) as moe:
+    async with backbone_session(identity, model, [bootstrap], codec=codec, kernel=kernel, max_datagram=LOOPBACK_DATAGRAM, ledger_path=ledger_path) as moe:
         await wait_for_hosts(moe, model.layers, 1, 60)
         out, elapsed, _ = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream)
         stats = moe.stats.summary()
-    store = ExpertStore(model)
+    store, _ = open_experts(model, kernel)
     local = [t for t, _ in generate(bb, ids, n_tokens, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)), stop=stop)]
     return {
         "model": str(model.path),

@@ -10,7 +10,7 @@ from experts.errors import UsageError
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.random_model import SUPPORTED_QTYPES, random_config, write_random_model
 from experts.slices import check_slice, parse_range, write_slice
-from node.cli.options import parse_size
+from node.cli.options import KERNEL_NAMES, kernel_options, open_kernel, parse_size
 from node.cli.root import emit_json
 
 
@@ -37,13 +37,14 @@ def slice_cmd(model: str, layers: str, experts_: str, output: str) -> None:
 @click.option("--reference", type=click.Choice(["llamacpp"]), default=None, help="Also compare with llama.cpp's logits.")
 @click.option("--groups", default=3, show_default=True, help="Expert groups (simulated workers) of the remote path.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def verify_cmd(model: str, wire: str, reference: str | None, groups: int, as_json: bool) -> None:
+@kernel_options
+def verify_cmd(model: str, wire: str, reference: str | None, groups: int, as_json: bool, kernel_name: str, threads: int | None) -> None:
     """Gate a wire codec for MODEL: remote path vs local path (and vs llama.cpp). Exit 0 only on pass."""
     from experts.verify import run_gate
     from node.verdicts import record_verdict
 
     codec = Codec.parse(wire)
-    result = run_gate(GGUFModel(model), codec, groups=groups, reference=reference)
+    result = run_gate(GGUFModel(model), codec, kernel=open_kernel(kernel_name, threads), groups=groups, reference=reference)
     record_verdict(result["model_digest"], codec, result["verdict"])
     if as_json:
         emit_json(result)
@@ -62,22 +63,33 @@ def verify_cmd(model: str, wire: str, reference: str | None, groups: int, as_jso
 
 @click.command("inspect")
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--memory-budget", default=None, help="RAM for dequantized experts, e.g. 512M; decides cached vs on-the-fly.")
+@click.option("--layers", default=None, help="Plan for hosting only these layers, e.g. 0-3 (default: all in the file).")
+@click.option("--experts", "experts_", default=None, help="Plan for hosting only these experts, e.g. 0-31 (default: all in the file).")
+@click.option("--memory-budget", default=None, help="RAM the hosted experts may take, e.g. 512M: shows whether a worker would start, and how.")
+@click.option("--kernel", "kernel_name", default="ggml", show_default=True, type=click.Choice(KERNEL_NAMES), help="The worker's kernel: ggml holds packed bytes, reference float32 (or dequantizes on the fly).")
 @click.option("--against", type=click.Path(dir_okay=False), help="For a slice: the full model it must have been cut from.")
 @click.option("--json", "as_json", is_flag=True)
-def inspect_cmd(model: str, memory_budget: str | None, against: str | None, as_json: bool) -> None:
-    """Show a model's or slice's configuration, digest and how its experts would load."""
+def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_budget: str | None, kernel_name: str, against: str | None, as_json: bool) -> None:
+    """Show a model's or slice's configuration, digest and the memory its experts take when served.
+
+    Resident bytes are per layer of the hosted part and in total, for the chosen kernel; a budget they
+    exceed is refused here exactly as `moeswarm worker --memory-budget` would refuse it.
+    """
     from dataclasses import asdict
 
-    from experts.slices import ExpertStore
+    from experts.hosting import packed_bytes, plan_load
+    from experts.kernels import KERNELS
 
     m = GGUFModel(model)
     if m.is_slice:
         check_slice(m, GGUFModel(against).digest if against else None)
     elif against:
         raise UsageError(f"{model} is a full model, not a slice; --against only applies to slices")
+    lr = parse_range(layers, m.cfg.n_layer, "layer") if layers else m.layers
+    er = parse_range(experts_, m.cfg.n_expert, "expert") if experts_ else None
+    hosted = ExpertRange(er.start, er.stop) if er else m.experts
     budget = parse_size(memory_budget) if memory_budget else None
-    plan = ExpertStore.plan_for(m, budget)
+    plan = plan_load(m, KERNELS[kernel_name](1), budget, lr, hosted)  # a SliceError (one line) if it does not fit
     info = {
         "path": str(m.path),
         "model_digest": m.digest,
@@ -85,7 +97,9 @@ def inspect_cmd(model: str, memory_budget: str | None, against: str | None, as_j
         "layers": f"{m.layers.start}-{m.layers.stop - 1}",
         "experts": str(m.experts),
         "config": asdict(m.cfg),
+        "hosted": {"layers": f"{lr.start}-{lr.stop - 1}", "experts": str(hosted), "kernel": kernel_name},
         "load": asdict(plan),
+        "packed_bytes_per_layer": {i: packed_bytes(m, range(i, i + 1), hosted) for i in lr},
     }
     if as_json:
         emit_json(info)
@@ -94,8 +108,7 @@ def inspect_cmd(model: str, memory_budget: str | None, against: str | None, as_j
     click.echo(f"{m.path.name}: {kind} {m.digest[:16]}..., {m.cfg.arch}, layers {info['layers']}, experts {info['experts']}")
     c = m.cfg
     click.echo(f"hidden {c.n_embd}, {c.n_layer} layers, {c.n_expert} experts top-{c.n_expert_used}, expert FFN {c.n_ff_exp}, shared FFN {c.n_ff_shexp}")
-    click.echo(f"experts load {plan.mode}: {plan.cached_bytes / 2**20:.1f} MiB dequantized vs budget "
-               + (f"{plan.budget / 2**20:.1f} MiB" if plan.budget is not None else "unlimited"))
+    click.echo(f"hosting layers {info['hosted']['layers']} x experts {hosted} with kernel {kernel_name}: {plan.describe()}")
 
 
 @click.group("model")

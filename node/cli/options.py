@@ -2,7 +2,38 @@
 
 from __future__ import annotations
 
+import os
+
 import click
+
+# experts.kernels.KERNELS' names, spelled out so that parsing options does not load ggml (tests/unit/test_kernels.py
+# checks the two agree).
+KERNEL_NAMES = ("ggml", "reference")
+
+
+def kernel_options(command):
+    """--kernel and --threads: how this node computes (dense part and experts alike)."""
+    command = click.option("--threads", default=None, type=click.IntRange(min=1), help="Threads for the compute kernel (default: every core this process may use).")(command)
+    return click.option(
+        "--kernel",
+        "kernel_name",
+        default="ggml",
+        show_default=True,
+        type=click.Choice(KERNEL_NAMES),
+        help="Compute kernel: ggml (llama.cpp's, on the quantized bytes in place) or reference (numpy over float32, portable). Self-tested at start; bit-exact only against nodes with the same kernel.",
+    )(command)
+
+
+def thread_count(threads: int | None) -> int:
+    """--threads, or every core this process may use (its CPU affinity, which containers and taskset narrow)."""
+    return threads or len(os.sched_getaffinity(0))
+
+
+def open_kernel(name: str, threads: int | None):
+    """The named kernel with ``thread_count(threads)`` threads, self-tested on this machine (KernelError if not)."""
+    from experts.kernels import make_kernel
+
+    return make_kernel(name, thread_count(threads))
 
 bootstrap_opt = click.option("--bootstrap", "bootstrap", multiple=True, help="DHT bootstrap multiaddr /ip4/H/tcp/P/p2p/ID (repeatable).")
 data_dir_opt = click.option("--data-dir", default=None, help="Where this node keeps its key (default ~/.moeswarm/ROLE).")

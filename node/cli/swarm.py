@@ -15,7 +15,7 @@ from experts.slices import parse_range
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bootstrap import run_bootstrap_node
-from node.cli.options import bootstrap_opt, data_dir_opt, parse_size, ready_opt
+from node.cli.options import bootstrap_opt, data_dir_opt, kernel_options, open_kernel, parse_size, ready_opt, thread_count
 from node.cli.root import LazyGroup, emit_json
 from node.cli.streaming import stream_tokens
 from node.ledger.store import FILENAME
@@ -64,7 +64,8 @@ def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ..
 @click.option("--advertise", default=None, callback=_record_field(check_quic_addr), help="HOST:PORT to announce, if not the listen address (with --relay: only if the check finds this node public).")
 @click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT.")
 @bootstrap_opt
-@click.option("--memory-budget", default=None, help="RAM for dequantized experts (e.g. 512M); above it, dequantize on the fly.")
+@click.option("--memory-budget", default=None, help="RAM the hosted experts may take (e.g. 512M): the worker refuses to start if they do not fit (see `moeswarm inspect`); with --kernel reference, above their float32 size they are dequantized on the fly.")
+@kernel_options
 @click.option("--price", default=0, show_default=True, help="Price per work unit, announced in the DHT record.")
 @click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
 @click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative).")
@@ -76,7 +77,7 @@ def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ..
 @click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay).")
 @data_dir_opt
 @ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, data_dir, ready_file) -> None:
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, data_dir, ready_file) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
@@ -91,6 +92,8 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         dht_listen=dht_listen,
         bootstrap=bootstrap,
         memory_budget=parse_size(memory_budget) if memory_budget else None,
+        kernel=kernel_name,
+        threads=thread_count(threads),
         price=price,
         capacity=capacity,
         advertise=advertise,
@@ -131,15 +134,16 @@ def backbone_group() -> None:
 @click.option("--local-memory", default=None, help="Or: as many hot experts as fit this much RAM, e.g. 2G.")
 @click.option("--speculative/--no-speculative", default=True, show_default=True, help="Verify prompt-lookup drafts in one pass (greedy output unchanged).")
 @click.option("--overlap/--no-overlap", default=True, show_default=True, help="Compute the shared expert while a layer's dispatch is in flight.")
+@kernel_options
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, speculative, overlap, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, speculative, overlap, kernel_name, threads, data_dir, as_json) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     ident = load_identity(home)
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
-    session = dict(codec=codec, timeout=timeout, listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
+    session = dict(codec=codec, timeout=timeout, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
                    local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None)
     result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative, overlap=overlap))
     if as_json:
@@ -148,7 +152,7 @@ def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, time
 
 async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session: dict, *, stream: bool, speculative: bool, overlap: bool) -> dict:
     tok = Tokenizer.from_spec(model.tokenizer_spec)
-    bb = Backbone(model)
+    bb = Backbone(model, session["kernel"])
     async with backbone_session(ident, model, bootstrap, **session) as moe:
         await wait_for_hosts(moe, model.layers, wait_hosts, 60)
         out, elapsed, spec = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative, overlap=overlap)

@@ -19,7 +19,9 @@ from typing import Self
 import structlog
 
 from experts.gguf_model import ExpertRange, GGUFModel
-from experts.slices import ExpertStore, check_slice
+from experts.hosting import open_experts
+from experts.kernels import make_kernel
+from experts.slices import check_slice
 from node.backbone.routing import scarcity_price
 from node.ledger.sink import LedgerSink
 from node.runtime import until_stopped, write_ready
@@ -45,7 +47,9 @@ class WorkerOptions:
     listen: tuple[str, int]
     dht_listen: str
     bootstrap: Sequence[str]
-    memory_budget: int | None = None
+    memory_budget: int | None = None  # refuse to start unless the hosted experts fit (see experts.hosting)
+    kernel: str = "ggml"  # experts.kernels.KERNELS name; self-tested before anything is announced
+    threads: int = 1
     price: int = 0
     capacity: int = 0
     advertise: str | None = None  # host:port others should dial (default: the bound address)
@@ -83,7 +87,7 @@ class WorkerNode:
             await self._close()
             raise
         self.lifecycle.move(State.SERVING)
-        log.info("worker.ready", peer=str(self.identity.peer_id), quic=self.addr, reachability=self.reachability, layers=f"{self.store.layers.start}-{self.store.layers.stop - 1}", experts=str(self.store.experts), mode=self.store.plan.mode)
+        log.info("worker.ready", peer=str(self.identity.peer_id), quic=self.addr, reachability=self.reachability, layers=f"{self.store.layers.start}-{self.store.layers.stop - 1}", experts=str(self.store.experts), mode=self.plan.mode, resident_mb=round(self.plan.resident_bytes / 2**20, 1), kernel=str(self.store.identity), threads=self.opts.threads)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -92,9 +96,11 @@ class WorkerNode:
     async def _start(self) -> None:
         opts, identity, stack = self.opts, self.identity, self._stack
         self.model = model = GGUFModel(opts.model)
+        kernel = await asyncio.to_thread(make_kernel, opts.kernel, opts.threads)  # KernelError: refuse to serve
+        store, self.plan = open_experts(model, kernel, opts.layers, opts.experts, memory_budget=opts.memory_budget)  # refuses what does not fit, before reading it
+        self.store = store
         if model.is_slice:
-            check_slice(model, opts.model_digest)
-        self.store = store = ExpertStore(model, opts.layers, opts.experts, memory_budget=opts.memory_budget)
+            await asyncio.to_thread(check_slice, model, opts.model_digest)
         await asyncio.to_thread(store.warm)  # announce only once dispatches are served at full speed
         self.ledger = LedgerSink(self.ledger_path, "worker", identity) if self.ledger_path else None
         if self.ledger:
@@ -143,10 +149,10 @@ class WorkerNode:
 
     def ready_info(self) -> dict:
         """What the ready file publishes: how launchers and tests reach this worker."""
-        return {"role": "worker", "peer_id": str(self.identity.peer_id), "quic_addr": self.addr, "relay": self.opts.relay, "reachability": self.reachability, "dht_addrs": self.dht.multiaddrs, "load": self.store.plan.mode, "price": self.worker.price, "ledger": str(self.ledger_path) if self.ledger_path else None}
+        return {"role": "worker", "peer_id": str(self.identity.peer_id), "quic_addr": self.addr, "relay": self.opts.relay, "reachability": self.reachability, "dht_addrs": self.dht.multiaddrs, "load": self.plan.mode, "resident_bytes": self.plan.resident_bytes, "kernel": str(self.store.identity), "price": self.worker.price, "ledger": str(self.ledger_path) if self.ledger_path else None}
 
     def slices(self, price: int) -> list[HostedSlice]:
-        return [HostedSlice(self.model.digest, layer, self.ranges, quic_addr=self.addr, relay=self.relay_addr, capacity=self.opts.capacity, price=price) for layer in self.store.layers]
+        return [HostedSlice(self.model.digest, layer, self.ranges, quic_addr=self.addr, relay=self.relay_addr, capacity=self.opts.capacity, price=price, kernel=str(self.store.identity)) for layer in self.store.layers]
 
     async def replicas(self) -> int:
         """Live hosts (this one included) of our slice's scarcest layer."""

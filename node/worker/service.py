@@ -2,8 +2,8 @@
 
 Requests for the same layer that arrive while a compute call is running are
 folded into the next call (one ``partial_sum`` over the union of their tokens).
-The expert kernel is batch invariant (:mod:`experts.moe`), so a backbone gets
-the same bits whether its tokens were computed alone or beside others'.
+The expert kernel is batch invariant (its start-up self-test proves it on this machine), so a
+backbone gets the same bits whether its tokens were computed alone or beside others'.
 Compute runs on one background thread so the event loop keeps serving QUIC.
 """
 
@@ -21,9 +21,8 @@ import structlog
 from experts import codecs
 from experts.codecs import Codec
 from experts.errors import CodecError
-from experts.moe import partial_sum
+from experts.moe import ExpertSource
 from experts.rows import split_rows
-from experts.slices import ExpertStore
 from node.ledger.receipts import STAMP, build_receipt, sign, work_units
 from node.ledger.sink import LedgerSink
 from p2p import wire
@@ -72,9 +71,9 @@ class WorkerStats:
 
 
 class Worker:
-    """Dispatch handler over an :class:`ExpertStore`; plug ``handle`` into a QUIC endpoint."""
+    """Dispatch handler over the hosted experts (an :class:`experts.moe.ExpertSource`); plug ``handle`` into a QUIC endpoint."""
 
-    def __init__(self, identity: Identity, store: ExpertStore, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK, delay: float = 0.0) -> None:
+    def __init__(self, identity: Identity, store: ExpertSource, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK, delay: float = 0.0) -> None:
         self.identity = identity
         self.delay = delay  # test only: seconds every dispatch waits before it computes (to hold dispatches in flight)
         self.inline_work = inline_work
@@ -196,12 +195,12 @@ class Worker:
             while self._pending.get(layer):
                 jobs = self._pending.pop(layer)
                 x = np.concatenate([j.x for j in jobs])
-                args = (self.store, layer, x, np.concatenate([j.ids for j in jobs]), np.concatenate([j.weights for j in jobs]), np.concatenate([j.held for j in jobs]))
+                args = (layer, x, np.concatenate([j.ids for j in jobs]), np.concatenate([j.weights for j in jobs]), np.concatenate([j.held for j in jobs]))
                 try:
-                    if work_units(int(args[5].sum()), x.shape[1], self.store.model.cfg.n_ff_exp) <= self.inline_work:
-                        sums, _ = partial_sum(*args)  # cheaper than the hop to the pool thread and back
+                    if work_units(int(args[4].sum()), x.shape[1], self.store.model.cfg.n_ff_exp) <= self.inline_work:
+                        sums, _ = self.store.partial_sum(*args)  # cheaper than the hop to the pool thread and back
                     else:
-                        sums, _ = await loop.run_in_executor(self._pool, partial_sum, *args)
+                        sums, _ = await loop.run_in_executor(self._pool, self.store.partial_sum, *args)
                 except Exception as exc:  # a compute failure fails these requests, not the worker
                     for j in jobs:
                         if not j.done.done():

@@ -23,6 +23,7 @@ from node.launcher import Cluster, NodeProcess
 from p2p import wire
 from p2p.connector import Connector
 from p2p.identity import Identity, PeerId
+from tests.support.engine import kernel
 from tests.support.polling import async_until
 
 from .test_swarm import N_TOKENS, local_run
@@ -89,11 +90,12 @@ def test_sigterm_with_a_dispatch_in_flight_loses_nothing(model, tmp_path, monkey
         monkeypatch.setattr(Connector, "request", signal_mid_dispatch)
 
         async def main():
-            async with backbone_session(Identity.generate(), model, [boot], timeout=60.0) as moe:
+            k = kernel()
+            async with backbone_session(Identity.generate(), model, [boot], timeout=60.0, kernel=k) as moe:
                 session.append(moe)
                 await wait_for_hosts(moe, model.layers, 2, 60)
                 moe.router.health[victim_id].rtt_ms = 0.0  # the victim takes the first dispatch
-                bb = Backbone(model)
+                bb = Backbone(model, k)
                 out = await asyncio.to_thread(lambda: [t for t, _ in generate(bb, ids, N_TOKENS, moe.hook)])
                 return out, moe
 

@@ -9,15 +9,15 @@ import openai
 import pytest
 
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import Backbone, local_moe
+from experts.forward import local_moe
 from experts.generate import Sampling, generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
-from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.gateway.openai import CHAT_STOP, render_chat
 from node.launcher import Cluster
 from tests.support import until
+from tests.support.engine import local_engine
 
 pytestmark = pytest.mark.slow
 MODEL = "embedded"
@@ -44,7 +44,7 @@ def swarm(tmp_path_factory):
 def local(swarm):
     """Text that single-process `generate` gives with the workers' expert grouping, cut as the gateway cuts it."""
     model, tok = swarm["model"], swarm["tok"]
-    bb, store = Backbone(model), ExpertStore(model)
+    bb, store = local_engine(model)
 
     def moe(i, x, e, w):
         return grouped_moe(store, swarm["part"], i, x, e, w)

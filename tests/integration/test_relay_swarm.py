@@ -10,16 +10,16 @@ import pytest
 import structlog
 
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import Backbone, local_moe
+from experts.forward import local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
-from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
 from p2p.identity import Identity
 from tests.support import log_offset, wait_for_log
+from tests.support.engine import local_engine
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +35,10 @@ def test_relay_only_worker_serves_exactly_and_survives_a_relay_restart(tmp_path)
     without changing a token; once the relay is back, the worker serves through it again."""
     model = GGUFModel(EMBEDDED_MODEL)
     ids = Tokenizer.from_spec(model.tokenizer_spec).encode("And the LORD said unto Moses")
-    store = ExpertStore(model)
+    bb, store = local_engine(model)
     whole = Partition(((0, model.cfg.n_expert),))
     n = 40
-    local = [t for t, _ in generate(Backbone(model), ids, n, local_moe(lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w)))]
+    local = [t for t, _ in generate(bb, ids, n, local_moe(lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w)))]
     port = free_port()
     with Cluster(tmp_path) as cluster:
         relay = cluster.start("relay", "relay", "--listen", f"127.0.0.1:{port}")
@@ -64,12 +64,12 @@ def test_relay_only_worker_serves_exactly_and_survives_a_relay_restart(tmp_path)
                     wait_for_log(relay.log_file, "relay.client_connected", f"peer={peer}", since=restart, timeout=60)
 
         async def run():
-            async with backbone_session(backbone_id, model, [boot], timeout=1.0) as moe:
+            async with backbone_session(backbone_id, model, [boot], timeout=1.0, kernel=bb.kernel) as moe:
                 await wait_for_hosts(moe, model.layers, 1, 60)
 
                 def go():
                     out = []
-                    for i, (t, _) in enumerate(generate(Backbone(model), ids, n, moe.hook)):
+                    for i, (t, _) in enumerate(generate(bb, ids, n, moe.hook)):
                         out.append(t)
                         chaos(i)
                     return out

@@ -16,6 +16,7 @@ from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
 from p2p.identity import Identity
+from tests.support.engine import kernel
 
 pytestmark = pytest.mark.slow
 REPO = str(Path(__file__).resolve().parents[2])
@@ -31,9 +32,10 @@ def test_malicious_worker_is_caught_disputed_and_banned(tmp_path):
         peer = cheat.wait_ready()["peer_id"]
 
         async def run():
-            async with backbone_session(Identity.generate(), model, [boot], timeout=3.0, spot_check=0.1, spot_seed=7) as moe:
+            k = kernel()  # the cheat's kernel (it is the real worker's): its sums are checked bit for bit
+            async with backbone_session(Identity.generate(), model, [boot], timeout=3.0, spot_check=0.1, spot_seed=7, kernel=k) as moe:
                 await wait_for_hosts(moe, model.layers, 1, 60)
-                bb = Backbone(model)
+                bb = Backbone(model, k)
                 await asyncio.to_thread(lambda: list(generate(bb, ids, 40, moe.hook)))
                 return moe
 

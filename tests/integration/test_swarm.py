@@ -15,13 +15,13 @@ from experts.forward import Backbone, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
-from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
 from node.verdicts import record_verdict
 from p2p.identity import Identity
 from tests.support import MOESWARM, until
+from tests.support.engine import kernel, local_engine
 
 pytestmark = pytest.mark.slow
 N_TOKENS = 32
@@ -38,14 +38,15 @@ def start_workers(cluster: Cluster, model: GGUFModel, boot: str, ranges, names) 
 
 
 def local_run(model, part, prompt_ids):
-    store = ExpertStore(model)
-    return list(generate(Backbone(model), prompt_ids, N_TOKENS, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))))
+    bb, store = local_engine(model)
+    return list(generate(bb, prompt_ids, N_TOKENS, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))))
 
 
 async def remote_run(model, boot, prompt_ids, *, codec=Codec.F32, hosts_per_layer=1, on_token=None, timeout=5.0):
-    async with backbone_session(Identity.generate(), model, [boot], codec=codec, timeout=timeout) as moe:
+    k = kernel()
+    async with backbone_session(Identity.generate(), model, [boot], codec=codec, timeout=timeout, kernel=k) as moe:
         await wait_for_hosts(moe, model.layers, hosts_per_layer, 60)
-        bb = Backbone(model)
+        bb = Backbone(model, k)
 
         def run():
             out = []

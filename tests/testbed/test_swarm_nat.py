@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import Backbone, local_moe
+from experts.forward import local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
-from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.launcher import Cluster
 from tests.support import wait_for_log
+from tests.support.engine import local_engine
 
 from .conftest import why_no_testbed
 
@@ -30,9 +30,9 @@ TOKENS = 48  # the punch (~0.35 s at 10 ms RTT) lands early in the generation, l
 
 def local_tokens(ranges: tuple[tuple[int, int], ...], n: int) -> list[int]:
     model = GGUFModel(EMBEDDED_MODEL)
-    store, part = ExpertStore(model), Partition(ranges)
+    (bb, store), part = local_engine(model), Partition(ranges)
     ids = Tokenizer.from_spec(model.tokenizer_spec).encode(PROMPT)
-    return [t for t, _ in generate(Backbone(model), ids, n, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)))]
+    return [t for t, _ in generate(bb, ids, n, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)))]
 
 
 def test_direct_relayed_and_punched_workers_generate_exactly_the_local_text(tmp_path):

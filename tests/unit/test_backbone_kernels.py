@@ -12,7 +12,7 @@ from experts.forward import Backbone, KVCache, local_moe
 from experts.gguf_model import GGUFModel
 from experts.kernels import GgmlKernel, ReferenceKernel
 from experts.moe import ungrouped_moe
-from experts.packed_experts import PackedExperts, packed_partial_sum
+from experts.packed_experts import PackedExperts
 from experts.slices import ExpertStore
 from experts.verify import compare
 from tests.conftest import ARCHS, make_model
@@ -63,7 +63,7 @@ def test_ggml_backbone_decodes_incrementally_bit_for_bit(model_dir, arch):
     model = quantized(model_dir, arch, Q.Q4_K)
     kernel = GgmlKernel()
     experts = PackedExperts(model, kernel)
-    hook = local_moe(lambda i, x, e, w: packed_partial_sum(experts, i, x, e, w, np.ones(e.shape, dtype=bool))[0])
+    hook = local_moe(lambda i, x, e, w: experts.partial_sum(i, x, e, w, np.ones(e.shape, dtype=bool))[0])
     bb = Backbone(model, kernel=kernel)
     full = bb.forward(TOKENS, KVCache(), hook)
     cache = KVCache()

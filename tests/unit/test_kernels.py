@@ -261,9 +261,9 @@ def _routing(n: int, n_expert: int, k: int, seed: int):
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
 def test_packed_partial_sum_with_reference_is_todays_bits(tmp_path, arch):
-    """Through the reference kernel, packed_partial_sum equals today's partial_sum over ExpertStore bit for bit."""
+    """Through the reference kernel, PackedExperts.partial_sum equals today's partial_sum over ExpertStore bit for bit."""
     from experts.moe import partial_sum
-    from experts.packed_experts import PackedExperts, packed_partial_sum
+    from experts.packed_experts import PackedExperts
     from experts.slices import ExpertStore
 
     model = GGUFModel(make_model(tmp_path, arch, Q.Q4_K, n_embd=256, n_ff_exp=256))
@@ -271,28 +271,29 @@ def test_packed_partial_sum_with_reference_is_todays_bits(tmp_path, arch):
     ids, w, held = _routing(7, model.cfg.n_expert, model.cfg.n_expert_used, 21)
     for layer in model.layers:
         want = partial_sum(ExpertStore(model), layer, x, ids, w, held)
-        got = packed_partial_sum(PackedExperts(model, ReferenceKernel()), layer, x, ids, w, held)
+        got = PackedExperts(model, ReferenceKernel()).partial_sum(layer, x, ids, w, held)
         np.testing.assert_array_equal(bits(got[0]), bits(want[0]))
         np.testing.assert_array_equal(got[1], want[1])
 
 
 def test_packed_partial_sum_with_ggml_close_and_invariant(tmp_path, ggml_kernel):
     """Through ggml, packed partial sums are close to today's and a token's sum does not depend on the batch."""
+    from experts.hosting import packed_bytes
     from experts.moe import partial_sum
-    from experts.packed_experts import PackedExperts, packed_partial_sum
+    from experts.packed_experts import PackedExperts
     from experts.slices import ExpertStore
 
     model = GGUFModel(make_model(tmp_path, "qwen3moe", Q.Q4_K, n_embd=256, n_ff_exp=256))
     src = PackedExperts(model, ggml_kernel)
-    assert src.packed_bytes == sum(model.tensors[f"blk.{i}.{k}.weight"].n_bytes for i in model.layers for k in model.expert_kinds(i))
+    assert packed_bytes(model, model.layers, model.experts) == sum(model.tensors[f"blk.{i}.{k}.weight"].n_bytes for i in model.layers for k in model.expert_kinds(i))
     x = rows(9, 22)
     ids, w, held = _routing(9, model.cfg.n_expert, model.cfg.n_expert_used, 23)
     held[:, 0] = True
-    got, _ = packed_partial_sum(src, 1, x, ids, w, held)
+    got, _ = src.partial_sum(1, x, ids, w, held)
     want, _ = partial_sum(ExpertStore(model), 1, x, ids, w, held)
     assert cosines(got, want).min() >= FFN_COS
     for t in range(9):
-        alone, _ = packed_partial_sum(src, 1, x[t : t + 1], ids[t : t + 1], w[t : t + 1], held[t : t + 1])
+        alone, _ = src.partial_sum(1, x[t : t + 1], ids[t : t + 1], w[t : t + 1], held[t : t + 1])
         np.testing.assert_array_equal(bits(alone[0]), bits(got[t]))
 
 
@@ -339,3 +340,24 @@ def test_ggml_rejects_weights_of_the_wrong_size(ggml_kernel):
     gate, up, down = stacks(Q.Q8_0)
     with pytest.raises(ValueError, match="expert stack"):
         ggml_kernel.expert_ffn(rows(1, 31), np.zeros(1, np.int32), QuantWeight(gate.data[:-1], Q.Q8_0, gate.shape), up, down)
+
+
+def test_the_cli_offers_exactly_the_registered_kernels():
+    """node.cli.options spells the names out (so --help loads no ggml); they must be KERNELS' names."""
+    from experts.kernels import KERNELS
+    from node.cli.options import KERNEL_NAMES
+
+    assert sorted(KERNEL_NAMES) == sorted(KERNELS)
+
+
+def test_a_kernel_is_shared_safely_by_threads(ggml_kernel):
+    """Worker loop and pool thread (or forward and local experts) call one instance at once: same bits as alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = weight(Q.Q4_K)
+    xs = [rows(5, 40 + i) for i in range(8)]
+    alone = [ggml_kernel.matmul(x, w, Q.Q4_K, (N, D)) for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda x: ggml_kernel.matmul(x, w, Q.Q4_K, (N, D)), xs * 4))
+    for i, y in enumerate(together):
+        np.testing.assert_array_equal(y.view(np.uint32), alone[i % 8].view(np.uint32))

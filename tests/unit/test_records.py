@@ -13,6 +13,7 @@ from p2p.discovery import Announcer, CachedDiscovery, InMemoryBoard, InMemoryDis
 from p2p.identity import Identity
 from p2p.records import (
     MAX_CLOCK_SKEW,
+    MAX_KERNEL_BYTES,
     MAX_QUIC_ADDR_BYTES,
     MAX_RANGES,
     MAX_RECORD_BYTES,
@@ -137,9 +138,10 @@ def test_size_limit_is_checked_before_parsing():
         relay=RelayAddress("wss://" + "r" * (MAX_RELAY_URL_BYTES - 6), BOB.peer_id),
         capacity=2**32 - 1,
         price=2**64 - 1,
+        kernel="k" * MAX_KERNEL_BYTES,
     )
     record, value = issue(ALICE, biggest, now=NOW, ttl=600, seq=2**64 - 1)
-    assert len(value) == 1243 <= MAX_RECORD_BYTES
+    assert len(value) == 1499 <= MAX_RECORD_BYTES
     assert decode_and_validate(record.key, value, NOW) == record
 
 
@@ -150,7 +152,7 @@ def test_truncated_and_padded_values_are_malformed():
         decode_and_validate(record.key, value[:-1], NOW)
     with pytest.raises(MalformedRecord, match="trailing"):
         decode_and_validate(record.key, value + b"\0", NOW)
-    with pytest.raises(MalformedRecord, match="MSR1"):
+    with pytest.raises(MalformedRecord, match="MSR2"):
         decode_and_validate(record.key, b"XXXX" + value[4:], NOW)
 
 
@@ -166,6 +168,8 @@ def test_truncated_and_padded_values_are_malformed():
         ({"quic_addr": None}, "needs a QUIC address"),
         ({"layer": 70000}, "layer"),
         ({"price": -1}, "price"),
+        ({"kernel": "k" * (MAX_KERNEL_BYTES + 1)}, "kernel identity"),
+        ({"kernel": "ggml\n"}, "kernel identity"),
     ],
 )
 def test_bad_fields_are_rejected_at_construction(kwargs, message):
