@@ -139,7 +139,7 @@ class Backbone:
             b = f"blk.{i}."
             moe = cfg.is_moe(i)
             shexp = None
-            if moe and self.spec.shared_expert is not SharedExpert.NONE:
+            if moe and cfg.n_ff_shexp and self.spec.shared_expert is not SharedExpert.NONE:
                 gate = d(b + "ffn_gate_inp_shexp.weight") if self.spec.shared_expert is SharedExpert.SIGMOID_GATED else None
                 shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight"))
             self.layers.append(

@@ -74,7 +74,10 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     n_ff_exp = int(_field(reader, a + spec.n_ff_exp_key))
     n_ff_shexp = 0
     if spec.shexp_from_count:
-        n_ff_shexp = n_ff_exp * int(_field(reader, a + "expert_shared_count"))
+        n_shared = int(_field(reader, a + "expert_shared_count"))
+        if n_shared < 1:  # measured: llama.cpp's graph then computes another model (cosine ~0.93 to ours)
+            raise ModelFormatError(f"{a}expert_shared_count is 0: {arch} models have a shared expert (llama.cpp's graph assumes one)")
+        n_ff_shexp = n_ff_exp * n_shared
     elif spec.shared_expert is not SharedExpert.NONE:
         n_ff_shexp = int(opt("expert_shared_feed_forward_length", 0)) or int(_field(reader, a + "feed_forward_length"))
     n_dense_lead = int(opt("leading_dense_block_count", 0)) if spec.dense_lead else 0

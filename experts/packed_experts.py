@@ -33,13 +33,13 @@ class PackedExperts(ExpertSource):
         self._stacks: dict[int, tuple[QuantWeight, QuantWeight, QuantWeight]] = {}
 
     def holds(self, layer: int, expert: int) -> bool:
-        return layer in self.layers and expert in self.experts
+        return layer in self.layers and self.model.cfg.is_moe(layer) and expert in self.experts
 
     @property
     def packed_bytes(self) -> int:
         """Bytes of the hosted experts' packed weights (what resident memory for them tends to)."""
         total = 0
-        for i in self.layers:
+        for i in filter(self.model.cfg.is_moe, self.layers):
             for kind in self.model.expert_kinds(i):
                 t = self.model.tensors[f"blk.{i}.{kind}.weight"]
                 total += t.n_bytes // self.model.shape(t.name)[0] * len(self.experts)
