@@ -151,6 +151,8 @@ ARCHS: dict[str, ArchSpec] = {
 # Stacked expert tensors: numpy shape (n_expert, rows, cols), i.e. ggml ne[2] = expert.
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 FUSED_GATE_UP = "ffn_gate_up_exps"  # (n_expert, 2 * n_ff_exp, n_embd): gate rows first, then up
+# Tensors an MTP block (blk.N, N >= n_layer) may carry besides its layer and nextn.{eh_proj,enorm,hnorm}.
+MTP_OPTIONAL = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight", "nextn.shared_head_norm.weight")
 
 
 def arch_spec(name: str) -> ArchSpec:

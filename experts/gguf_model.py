@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .arch import EXPERT_TENSORS, FUSED_GATE_UP, Gating, SharedExpert, arch_spec
+from .arch import EXPERT_TENSORS, FUSED_GATE_UP, MTP_OPTIONAL, Gating, SharedExpert, arch_spec
 from .config import ModelConfig, TokenizerSpec
 from .errors import ModelFormatError
 from .model_writer import expected_shapes
@@ -209,6 +209,9 @@ class GGUFModel:
         elif "output.weight" not in self.tensors and cfg.spec.tied_output_allowed:
             del want["output.weight"]
         optional = cfg.spec.optional_tensors
+        unknown = [n for n in self.tensors if n not in want and not self._optional_mtp(n)]
+        if unknown:  # llama.cpp refuses them too ("wrong number of tensors"); never compute without them silently
+            raise ModelFormatError(f"tensor {unknown[0]} in {self.path} is not one moeswarm reads for {cfg.arch}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
         for name, shape in want.items():
             t = self.tensors.get(name)
             if t is None:
@@ -224,6 +227,11 @@ class GGUFModel:
             )
         if cfg.spec.mha_only and cfg.n_head_kv != cfg.n_head:
             raise ModelFormatError(f"{cfg.arch} needs as many KV heads as heads (llama.cpp norms the whole K with an n_embd-wide weight); got {cfg.n_head_kv} of {cfg.n_head}")
+
+    def _optional_mtp(self, name: str) -> bool:
+        """An MTP block's optional tensors (its own embedding / head): loaded by llama.cpp if present, never run."""
+        parts = name.split(".", 2)
+        return len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= self.cfg.n_layer and parts[2] in MTP_OPTIONAL
 
     # ---- tensors -----------------------------------------------------------------------------
 

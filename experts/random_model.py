@@ -85,8 +85,10 @@ def random_config(
         n_head_kv = n_head if spec.mha_only else 2
     elif spec.mha_only and n_head_kv != n_head:
         raise ModelFormatError(f"{arch} needs as many KV heads as heads ({n_head}); got {n_head_kv}")
-    if n_ff_shexp is None:
-        n_ff_shexp = 2 * n_ff_exp if spec.shared_expert is not SharedExpert.NONE else 0
+    if spec.shared_expert is SharedExpert.NONE:
+        n_ff_shexp = 0  # the arch has none: llama.cpp would refuse the file's extra tensors
+    elif n_ff_shexp is None:
+        n_ff_shexp = 2 * n_ff_exp
     if spec.shexp_from_count and n_ff_shexp % n_ff_exp:
         raise ModelFormatError(f"{arch} stores the shared expert as a count of expert widths: {n_ff_shexp} is not a multiple of {n_ff_exp}")
     if not 0 < n_expert_used <= n_expert:

@@ -92,3 +92,17 @@ def test_a_slice_over_dense_layers_holds_only_the_moe_ones(model_dir, tmp_path):
     assert a.tobytes() == b.tobytes()
     with pytest.raises(SliceError, match="all dense"):
         write_slice(full, range(0, 1), ExpertRange(0, 4), tmp_path / "dense.gguf")
+
+
+def test_unknown_tensors_are_refused_but_optional_mtp_ones_load(tmp_path):
+    """An NVFP4 ``*.scale`` tensor is named and refused (as llama.cpp refuses tensors it does not load);
+    an MTP block's optional head tensors are accepted, since they are never run."""
+    cfg = random_config("glm4moe")
+    tensors = random_tensors(cfg)
+    p = tmp_path / "scale.gguf"
+    write_model(p, cfg, {**tensors, "blk.1.ffn_down_exps.scale": np.ones(cfg.n_expert, dtype=np.float32)}, byte_level_tokenizer())
+    with pytest.raises(ModelFormatError, match=r"tensor blk.1.ffn_down_exps.scale .* is not one moeswarm reads for glm4moe"):
+        GGUFModel(p)
+    p = tmp_path / "mtp.gguf"
+    write_model(p, cfg, {**tensors, f"blk.{cfg.n_layer}.nextn.shared_head_norm.weight": np.ones(cfg.n_embd, dtype=np.float32)}, byte_level_tokenizer())
+    assert GGUFModel(p).has(f"blk.{cfg.n_layer}.nextn.shared_head_norm.weight")
