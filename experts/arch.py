@@ -4,7 +4,9 @@ The math in :mod:`experts.forward` and :mod:`experts.moe` never branches on an
 architecture name; it reads the :class:`ArchSpec` of the model instead. Each row
 mirrors what llama.cpp hard-codes for that architecture (``src/models/*.cpp``),
 not what the model's own config claims: llama.cpp ignores ``norm_topk_prob``, so
-we do too, otherwise our logits would not match the reference engine.
+we do too, otherwise our logits would not match the reference engine. Where llama.cpp
+reads a router setting from the file instead (``*_from_file``), :func:`experts.gguf_model.read_config`
+reads it into the :class:`experts.config.ModelConfig`.
 """
 
 from __future__ import annotations
@@ -25,19 +27,45 @@ class SharedExpert(enum.Enum):
 
     NONE = "none"
     SIGMOID_GATED = "sigmoid_gated"  # qwen2moe: shexp(x) * sigmoid(w . x)
+    PLAIN = "plain"  # glm4moe: shexp(x), added as is
+
+
+class QKNorm(enum.Enum):
+    """RMSNorm of Q and K before RoPE, and over what."""
+
+    NONE = "none"
+    PER_HEAD = "per_head"  # weight (head_dim,), each head normed alone (qwen3moe, glm4moe)
+    WHOLE = "whole"  # weight (n_head*head_dim,) / (n_head_kv*head_dim,), the whole projection normed at once (olmoe, minimax-m2)
+
+
+class Gating(enum.Enum):
+    """Router probabilities from logits; values are llama.cpp's ``expert_gating_func`` codes."""
+
+    SOFTMAX = 1
+    SIGMOID = 2
 
 
 @dataclass(frozen=True)
 class ArchSpec:
     name: str
     rope: RopeStyle
-    norm_topk: bool  # renormalise the top-k softmax weights to sum to 1
+    norm_topk: bool  # renormalise the top-k weights to sum to 1 (default when norm_from_file finds no key)
     shared_expert: SharedExpert
-    qk_norm: bool  # per-head RMSNorm of Q and K before RoPE (qwen3moe)
+    qk_norm: QKNorm
     qkv_bias: bool  # attention Q/K/V projections carry a bias (qwen2moe)
     tied_output_allowed: bool  # output.weight may be absent and tied to token_embd
     n_ff_exp_key: str  # GGUF key (without the arch prefix) holding the expert FFN width
     requires_rms_eps: bool = True
+    gating: Gating | None = Gating.SOFTMAX  # default gating; None: the file must name it (expert_gating_func)
+    gating_from_file: bool = False  # llama.cpp reads expert_gating_func for this arch
+    norm_from_file: bool = False  # ... expert_weights_norm
+    scale_from_file: bool = False  # ... expert_weights_scale (routed weights multiplied by it unless 0 or 1)
+    selection_bias: bool = False  # blk.N.exp_probs_b.bias (required): added to the probabilities for top-k selection only
+    dense_lead: bool = False  # leading_dense_block_count layers have a plain FFN (ffn_gate/up/down) instead of experts
+    shexp_from_count: bool = False  # shared width = expert width * expert_shared_count (else expert_shared_feed_forward_length)
+    ffn_norm: str = "ffn_norm"  # the FFN pre-norm tensor (glm4moe calls it post_attention_norm)
+    optional_tensors: tuple[str, ...] = ()  # per-layer tensors llama.cpp loads if present (random models write them)
+    mha_only: bool = False  # llama.cpp needs n_head_kv == n_head (olmoe: its K norm is n_embd wide)
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -46,7 +74,7 @@ ARCHS: dict[str, ArchSpec] = {
         rope=RopeStyle.NEOX,
         norm_topk=False,
         shared_expert=SharedExpert.SIGMOID_GATED,
-        qk_norm=False,
+        qk_norm=QKNorm.NONE,
         qkv_bias=True,
         tied_output_allowed=False,
         n_ff_exp_key="expert_feed_forward_length",
@@ -56,7 +84,7 @@ ARCHS: dict[str, ArchSpec] = {
         rope=RopeStyle.NEOX,
         norm_topk=True,
         shared_expert=SharedExpert.NONE,
-        qk_norm=True,
+        qk_norm=QKNorm.PER_HEAD,
         qkv_bias=False,
         tied_output_allowed=True,
         n_ff_exp_key="expert_feed_forward_length",
@@ -66,16 +94,65 @@ ARCHS: dict[str, ArchSpec] = {
         rope=RopeStyle.NORM,
         norm_topk=True,
         shared_expert=SharedExpert.NONE,
-        qk_norm=False,
+        qk_norm=QKNorm.NONE,
         qkv_bias=False,
         tied_output_allowed=True,
         n_ff_exp_key="feed_forward_length",
+    ),
+    # src/models/olmoe.cpp: whole-vector q/k norm (K's is n_embd wide), softmax without renorm.
+    "olmoe": ArchSpec(
+        name="olmoe",
+        rope=RopeStyle.NEOX,
+        norm_topk=False,
+        shared_expert=SharedExpert.NONE,
+        qk_norm=QKNorm.WHOLE,
+        qkv_bias=False,
+        tied_output_allowed=False,
+        n_ff_exp_key="feed_forward_length",
+        mha_only=True,
+    ),
+    # src/models/glm4-moe.cpp: sigmoid + selection bias, router norm/scale from the file, leading dense
+    # layers, plain shared expert, FFN pre-norm named post_attention_norm, optional biases and q/k norm.
+    "glm4moe": ArchSpec(
+        name="glm4moe",
+        rope=RopeStyle.NEOX,
+        norm_topk=False,
+        shared_expert=SharedExpert.PLAIN,
+        qk_norm=QKNorm.PER_HEAD,
+        qkv_bias=True,
+        tied_output_allowed=True,
+        n_ff_exp_key="expert_feed_forward_length",
+        gating=Gating.SIGMOID,
+        gating_from_file=True,
+        norm_from_file=True,
+        scale_from_file=True,
+        selection_bias=True,
+        dense_lead=True,
+        shexp_from_count=True,
+        ffn_norm="post_attention_norm",
+        optional_tensors=("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight"),
+    ),
+    # src/models/minimax-m2.cpp: whole-vector q/k norm, gating named by the file, renorm hard-coded, no scale.
+    "minimax-m2": ArchSpec(
+        name="minimax-m2",
+        rope=RopeStyle.NEOX,
+        norm_topk=True,
+        shared_expert=SharedExpert.NONE,
+        qk_norm=QKNorm.WHOLE,
+        qkv_bias=False,
+        tied_output_allowed=False,
+        n_ff_exp_key="feed_forward_length",
+        gating=None,
+        gating_from_file=True,
+        selection_bias=True,
     ),
 }
 
 # Stacked expert tensors: numpy shape (n_expert, rows, cols), i.e. ggml ne[2] = expert.
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 FUSED_GATE_UP = "ffn_gate_up_exps"  # (n_expert, 2 * n_ff_exp, n_embd): gate rows first, then up
+# Tensors an MTP block (blk.N, N >= n_layer) may carry besides its layer and nextn.{eh_proj,enorm,hnorm}.
+MTP_OPTIONAL = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight", "nextn.shared_head_norm.weight")
 
 
 def arch_spec(name: str) -> ArchSpec:

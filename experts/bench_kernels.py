@@ -149,7 +149,7 @@ else:
     source = ExpertStore(model)
 x = np.ones((1, cfg.n_embd), dtype=np.float32)
 base = status()
-for layer in model.layers:  # every expert serves one token: every hosted weight is touched once
+for layer in model.moe_layers:  # every expert serves one token: every hosted weight is touched once
     for e in range(model.experts.start, model.experts.stop):
         if mode == "packed":
             source.ffn(layer, x, np.array([e]))

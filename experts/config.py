@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from .arch import ArchSpec, arch_spec
+from .arch import ArchSpec, Gating, arch_spec
+from .moe import Router
+
+# Fields added after the first digests were published: left out of the config line (and so of the
+# model digest) while at their default, so every older model keeps its digest.
+_LATER = {"omit_default": True}
 
 
 @dataclass(frozen=True)
@@ -12,7 +18,7 @@ class ModelConfig:
     arch: str
     n_vocab: int
     n_embd: int
-    n_layer: int
+    n_layer: int  # layers the forward runs: block_count - nextn_predict_layers
     n_head: int
     n_head_kv: int
     head_dim: int
@@ -24,6 +30,15 @@ class ModelConfig:
     rope_theta: float = 10000.0
     context_length: int = 2048
     name: str = "moeswarm-model"
+    n_nextn: int = field(default=0, metadata=_LATER)  # trailing MTP blocks in the file, never run (llama.cpp neither)
+    n_dense_lead: int = field(default=0, metadata=_LATER)  # layers 0..n-1 have a dense FFN, no experts
+    n_ff_dense: int = field(default=0, metadata=_LATER)  # the dense layers' FFN width (feed_forward_length)
+    n_rot: int = field(default=0, metadata=_LATER)  # rotated dims of a head (rope.dimension_count); 0: all of them
+    gating: str | None = field(default=None, metadata=_LATER)  # Gating name when the arch reads it from the file
+    norm_topk: bool | None = field(default=None, metadata=_LATER)  # when the arch reads expert_weights_norm
+    expert_weights_scale: float = field(default=0.0, metadata=_LATER)
+    n_expert_groups: int = field(default=0, metadata=_LATER)  # group-limited top-k (DeepSeek-V3 style) when > 1
+    n_group_used: int = field(default=0, metadata=_LATER)
 
     @property
     def spec(self) -> ArchSpec:
@@ -36,6 +51,40 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_head_kv * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        return self.n_rot or self.head_dim
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether *layer* routes to experts (else it has a dense FFN and nothing to dispatch)."""
+        return layer >= self.n_dense_lead
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layer) if self.is_moe(i))
+
+    @property
+    def router(self) -> Router:
+        """The router llama.cpp builds for this model: the arch's fixed choices, or the file's where it reads them."""
+        spec = self.spec
+        gating = Gating[self.gating.upper()] if self.gating else spec.gating
+        assert gating is not None, "read_config requires expert_gating_func for this arch"
+        return Router(
+            gating=gating,
+            norm=spec.norm_topk if self.norm_topk is None else self.norm_topk,
+            scale=self.expert_weights_scale,
+            n_groups=self.n_expert_groups,
+            n_group_used=self.n_group_used,
+        )
+
+    def canonical(self) -> dict:
+        """The fields that enter the config line: later fields only when they differ from their default."""
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get("omit_default") and out[f.name] == f.default:
+                del out[f.name]
+        return out
 
 
 @dataclass(frozen=True)

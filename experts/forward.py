@@ -4,12 +4,13 @@ Every matmul is batch invariant (see :mod:`experts.moe`): a token's logits are t
 bits whether it is decoded alone, verified in a speculative draft or batched with other
 sequences, which is what makes those optimisations exactly output-preserving.
 
-Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts): the per-arch
+Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2: the per-arch
 differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
 thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> Future[routed_sum]``
 (llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe` through
-:func:`local_moe`; in the swarm it is a dispatch to the workers that host the chosen experts. The router
-and the shared expert stay here, next to the hidden state they read.
+:func:`local_moe`; in the swarm it is a dispatch to the workers that host the chosen experts. The router,
+the shared expert and the dense layers' FFNs stay here, next to the hidden state they read: the hook
+is only called for layers that have experts (``cfg.is_moe``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .arch import RopeStyle, SharedExpert
+from .arch import QKNorm, RopeStyle, SharedExpert
 from .dense_weights import FFN, Linear, mm, weights_for
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
@@ -54,8 +55,13 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(ms + eps).astype(np.float32)) * w
 
 
-def rope(x: np.ndarray, pos: np.ndarray, theta_base: float, style: RopeStyle) -> np.ndarray:
-    """Rotate x (n, heads, head_dim) by positions pos (n,)."""
+def rope(x: np.ndarray, pos: np.ndarray, theta_base: float, style: RopeStyle, n_rot: int | None = None) -> np.ndarray:
+    """Rotate the first *n_rot* dims (default all) of x (n, heads, head_dim) by positions pos (n,).
+
+    As ggml: the frequencies are over n_rot, not head_dim, and the other dims pass through.
+    """
+    if n_rot is not None and n_rot < x.shape[-1]:
+        return np.concatenate([rope(x[..., :n_rot], pos, theta_base, style), x[..., n_rot:]], axis=-1)
     hd = x.shape[-1]
     inv = theta_base ** (-np.arange(0, hd // 2, dtype=np.float64) * 2.0 / hd)
     ang = pos[:, None].astype(np.float64) * inv[None, :]
@@ -101,8 +107,10 @@ class Layer:
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
     ffn_norm: np.ndarray
-    router: Linear
-    shexp: tuple[np.ndarray, FFN] | None  # gate_inp, the expert's gate/up/down
+    router: Linear | None  # None: a dense layer (no experts), computed by *ffn*
+    selection_bias: np.ndarray | None  # exp_probs_b: moves the top-k choice, not the weights
+    shexp: tuple[np.ndarray | None, FFN] | None  # (sigmoid gate or None for an un-gated one, the expert's gate/up/down)
+    ffn: FFN | None  # a dense layer's FFN
 
 
 class Backbone:
@@ -129,9 +137,11 @@ class Backbone:
         self.layers = []
         for i in range(cfg.n_layer):
             b = f"blk.{i}."
+            moe = cfg.is_moe(i)
             shexp = None
-            if self.spec.shared_expert is SharedExpert.SIGMOID_GATED:
-                shexp = (d(b + "ffn_gate_inp_shexp.weight"), lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight"))
+            if moe and cfg.n_ff_shexp and self.spec.shared_expert is not SharedExpert.NONE:
+                gate = d(b + "ffn_gate_inp_shexp.weight") if self.spec.shared_expert is SharedExpert.SIGMOID_GATED else None
+                shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight"))
             self.layers.append(
                 Layer(
                     attn_norm=d(b + "attn_norm.weight"),
@@ -144,11 +154,14 @@ class Backbone:
                     bv=opt(b + "attn_v.bias"),
                     q_norm=opt(b + "attn_q_norm.weight"),
                     k_norm=opt(b + "attn_k_norm.weight"),
-                    ffn_norm=d(b + "ffn_norm.weight"),
-                    router=lin.linear(b + "ffn_gate_inp.weight"),
+                    ffn_norm=d(b + self.spec.ffn_norm + ".weight"),
+                    router=lin.linear(b + "ffn_gate_inp.weight") if moe else None,
+                    selection_bias=opt(b + "exp_probs_b.bias") if moe else None,
                     shexp=shexp,
+                    ffn=None if moe else lin.ffn(b + "ffn_gate.weight", b + "ffn_up.weight", b + "ffn_down.weight"),
                 )
             )
+        self.router_params = cfg.router
 
     def attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
         cfg, L = self.cfg, self.layers[i]
@@ -156,13 +169,16 @@ class Backbone:
         q, k, v = L.wq(h), L.wk(h), L.wv(h)
         if L.bq is not None:
             q, k, v = q + L.bq, k + L.bk, v + L.bv
+        whole = self.spec.qk_norm is QKNorm.WHOLE  # norm the flat projection, before the split into heads
+        if whole:
+            q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
         q = q.reshape(n, cfg.n_head, hd)
         k = k.reshape(n, cfg.n_head_kv, hd)
         v = v.reshape(n, cfg.n_head_kv, hd)
-        if L.q_norm is not None:
+        if L.q_norm is not None and not whole:
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
-        q = rope(q, pos, cfg.rope_theta, self.spec.rope)
-        k = rope(k, pos, cfg.rope_theta, self.spec.rope)
+        q = rope(q, pos, cfg.rope_theta, self.spec.rope, cfg.rope_dim)
+        k = rope(k, pos, cfg.rope_theta, self.spec.rope, cfg.rope_dim)
         if len(cache.k) <= i:
             cache.k.append(k)
             cache.v.append(v)
@@ -183,7 +199,9 @@ class Backbone:
         return L.wo(out.reshape(n, cfg.q_dim))
 
     def router(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return route(self.layers[i].router(x), self.cfg.n_expert_used, self.spec.norm_topk)
+        L = self.layers[i]
+        assert L.router is not None, f"layer {i} is dense: it has no router"
+        return route(L.router(x), self.cfg.n_expert_used, self.router_params, L.selection_bias)
 
     def shared_expert(self, i: int, x: np.ndarray) -> np.ndarray | None:
         """The always-on expert; independent of the routed sum, so it can run during a dispatch."""
@@ -192,6 +210,8 @@ class Backbone:
             return None
         gate_inp, ffn = sh
         y = ffn(x)
+        if gate_inp is None:
+            return y
         g = mm(x, gate_inp[None, :])[:, 0]
         with np.errstate(over="ignore"):
             return y * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))[:, None]
@@ -209,6 +229,9 @@ class Backbone:
             h = rms_norm(x, L.attn_norm, self.cfg.rms_eps)
             x = x + self.attention(i, h, pos, cache)
             h = rms_norm(x, L.ffn_norm, self.cfg.rms_eps)
+            if L.ffn is not None:  # a dense layer: nothing to dispatch
+                x = x + L.ffn(h)
+                continue
             ids, w = self.router(i, h)
             routed = moe_ffn(i, h, ids, w)
             sh = self.shared_expert(i, h)  # runs while a remote dispatch is in flight

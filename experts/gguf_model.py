@@ -7,7 +7,6 @@ its outermost dimension (ggml ne[2]), which touches only that expert's pages.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .arch import EXPERT_TENSORS, FUSED_GATE_UP, SharedExpert, arch_spec
+from .arch import EXPERT_TENSORS, FUSED_GATE_UP, MTP_OPTIONAL, Gating, SharedExpert, arch_spec
 from .config import ModelConfig, TokenizerSpec
 from .errors import ModelFormatError
 from .model_writer import expected_shapes
@@ -61,18 +60,37 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     spec = arch_spec(arch)
     a = arch + "."
+
+    def opt(key: str, default):
+        return _field(reader, a + key, required=False, default=default)
+
     n_embd = int(_field(reader, a + "embedding_length"))
     n_head = int(_field(reader, a + "attention.head_count"))
-    n_layer = int(_field(reader, a + "block_count"))
-    n_expert = int(_field(reader, a + "expert_count", required=False, default=0))
+    n_nextn = int(opt("nextn_predict_layers", 0))
+    n_layer = int(_field(reader, a + "block_count")) - n_nextn  # llama.cpp never runs the MTP blocks
+    n_expert = int(opt("expert_count", 0))
     if n_expert == 0:
         raise ModelFormatError(f"{a}expert_count is missing or 0: this is a dense model, not a Mixture-of-Experts one")
+    n_ff_exp = int(_field(reader, a + spec.n_ff_exp_key))
     n_ff_shexp = 0
-    if spec.shared_expert is not SharedExpert.NONE:
-        n_ff_shexp = int(_field(reader, a + "expert_shared_feed_forward_length", required=False, default=0)) or int(
-            _field(reader, a + "feed_forward_length")
-        )
-    head_dim = int(_field(reader, a + "attention.key_length", required=False, default=n_embd // n_head))
+    if spec.shexp_from_count:
+        n_shared = int(_field(reader, a + "expert_shared_count"))
+        if n_shared < 1:  # measured: llama.cpp's graph then computes another model (cosine ~0.93 to ours)
+            raise ModelFormatError(f"{a}expert_shared_count is 0: {arch} models have a shared expert (llama.cpp's graph assumes one)")
+        n_ff_shexp = n_ff_exp * n_shared
+    elif spec.shared_expert is not SharedExpert.NONE:
+        n_ff_shexp = int(opt("expert_shared_feed_forward_length", 0)) or int(_field(reader, a + "feed_forward_length"))
+    n_dense_lead = int(opt("leading_dense_block_count", 0)) if spec.dense_lead else 0
+    head_dim = int(opt("attention.key_length", n_embd // n_head))
+    n_rot = int(opt("rope.dimension_count", head_dim))
+    gating = None
+    if spec.gating_from_file:
+        code = _field(reader, a + "expert_gating_func", required=spec.gating is None, default=0)
+        try:
+            gating = Gating(int(code)).name.lower() if code else spec.gating.name.lower()  # type: ignore[union-attr]
+        except ValueError:
+            raise ModelFormatError(f"{a}expert_gating_func is {code}; supported: " + ", ".join(f"{g.value} ({g.name.lower()})" for g in Gating)) from None
+    n_groups = int(opt("expert_group_count", 0))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
         arch=arch,
@@ -80,16 +98,25 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         n_embd=n_embd,
         n_layer=n_layer,
         n_head=n_head,
-        n_head_kv=int(_field(reader, a + "attention.head_count_kv", required=False, default=n_head)),
+        n_head_kv=int(opt("attention.head_count_kv", n_head)),
         head_dim=head_dim,
         n_expert=n_expert,
         n_expert_used=int(_field(reader, a + "expert_used_count")),
-        n_ff_exp=int(_field(reader, a + spec.n_ff_exp_key)),
+        n_ff_exp=n_ff_exp,
         n_ff_shexp=n_ff_shexp,
         rms_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon", required=spec.requires_rms_eps, default=1e-5)),
-        rope_theta=float(_field(reader, a + "rope.freq_base", required=False, default=10000.0)),
-        context_length=int(_field(reader, a + "context_length", required=False, default=2048)),
+        rope_theta=float(opt("rope.freq_base", 10000.0)),
+        context_length=int(opt("context_length", 2048)),
         name=str(_field(reader, "general.name", required=False, default=arch)),
+        n_nextn=n_nextn,
+        n_dense_lead=n_dense_lead,
+        n_ff_dense=int(_field(reader, a + "feed_forward_length")) if n_dense_lead else 0,
+        n_rot=0 if n_rot == head_dim else n_rot,
+        gating=gating,
+        norm_topk=bool(opt("expert_weights_norm", False)) if spec.norm_from_file else None,
+        expert_weights_scale=float(opt("expert_weights_scale", 0.0)) if spec.scale_from_file else 0.0,
+        n_expert_groups=n_groups if n_groups > 1 else 0,  # 1/1 (as GLM files say) means no grouping
+        n_group_used=int(opt("expert_group_used_count", 0)) if n_groups > 1 else 0,
     )
 
 
@@ -137,6 +164,11 @@ class GGUFModel:
         return self.slice.layers if self.slice else range(self.cfg.n_layer)
 
     @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers of this file that have experts (a slice's layer range may include dense layers)."""
+        return tuple(i for i in self.layers if self.cfg.is_moe(i))
+
+    @property
     def experts(self) -> ExpertRange:
         return self.slice.experts if self.slice else ExpertRange(0, self.cfg.n_expert)
 
@@ -160,8 +192,9 @@ class GGUFModel:
         return EXPERT_TENSORS
 
     def _check_shapes(self) -> None:
-        want = expected_shapes(self.cfg)
-        for i in range(self.cfg.n_layer):
+        cfg = self.cfg
+        want = expected_shapes(cfg)
+        for i in cfg.moe_layers:
             if self.has(f"blk.{i}.{FUSED_GATE_UP}.weight"):
                 e, ff, d = want.pop(f"blk.{i}.ffn_gate_exps.weight")
                 del want[f"blk.{i}.ffn_up_exps.weight"]
@@ -170,22 +203,35 @@ class GGUFModel:
             n = len(self.experts)
             want = {
                 f"blk.{i}.{kind}.weight": (n, *want[f"blk.{i}.{kind}.weight"][1:])
-                for i in self.layers
+                for i in self.moe_layers
                 for kind in self.expert_kinds(i)
             }
-        elif "output.weight" not in self.tensors and self.cfg.spec.tied_output_allowed:
+        elif "output.weight" not in self.tensors and cfg.spec.tied_output_allowed:
             del want["output.weight"]
+        optional = cfg.spec.optional_tensors
+        unknown = [n for n in self.tensors if n not in want and not self._optional_mtp(n)]
+        if unknown:  # llama.cpp refuses them too ("wrong number of tensors"); never compute without them silently
+            raise ModelFormatError(f"tensor {unknown[0]} in {self.path} is not one moeswarm reads for {cfg.arch}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
         for name, shape in want.items():
             t = self.tensors.get(name)
             if t is None:
-                raise ModelFormatError(f"tensor {name} is missing from {self.path} (arch {self.cfg.arch})")
+                if name.split(".", 2)[-1] in optional and not self.is_slice:
+                    continue
+                raise ModelFormatError(f"tensor {name} is missing from {self.path} (arch {cfg.arch})")
             got = tuple(int(x) for x in reversed(t.shape))
             if got != shape:
                 raise ModelFormatError(f"tensor {name} has shape {got}, expected {shape} from the metadata")
-        if not self.is_slice and self.cfg.n_vocab != want["token_embd.weight"][0]:
+        if not self.is_slice and cfg.n_vocab != want["token_embd.weight"][0]:
             raise ModelFormatError(
-                f"tokenizer.ggml.tokens has {self.cfg.n_vocab} tokens but token_embd.weight has {want['token_embd.weight'][0]} rows"
+                f"tokenizer.ggml.tokens has {cfg.n_vocab} tokens but token_embd.weight has {want['token_embd.weight'][0]} rows"
             )
+        if cfg.spec.mha_only and cfg.n_head_kv != cfg.n_head:
+            raise ModelFormatError(f"{cfg.arch} needs as many KV heads as heads (llama.cpp norms the whole K with an n_embd-wide weight); got {cfg.n_head_kv} of {cfg.n_head}")
+
+    def _optional_mtp(self, name: str) -> bool:
+        """An MTP block's optional tensors (its own embedding / head): loaded by llama.cpp if present, never run."""
+        parts = name.split(".", 2)
+        return len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= self.cfg.n_layer and parts[2] in MTP_OPTIONAL
 
     # ---- tensors -----------------------------------------------------------------------------
 
@@ -283,7 +329,7 @@ def _is_expert_tensor(name: str) -> bool:
 def config_line(cfg: ModelConfig) -> str:
     """The hyper-parameters as one canonical line: two files with the same tensors but other
     metadata (say, a different top-k) compute different things and must not share a digest."""
-    return "config|" + json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    return "config|" + json.dumps(cfg.canonical(), sort_keys=True)
 
 
 def _manifest_entries(model: GGUFModel) -> dict[str, tuple[str, list[str]]]:

@@ -42,9 +42,9 @@ class LoadPlan:
 
 
 def packed_bytes(model: GGUFModel, layers: range, experts: ExpertRange) -> int:
-    """Bytes of the packed weights of *layers* x *experts* in *model*'s file."""
+    """Bytes of the packed weights of *layers* x *experts* in *model*'s file (dense layers have none)."""
     total = 0
-    for i in layers:
+    for i in filter(model.cfg.is_moe, layers):
         for kind in model.expert_kinds(i):
             t = model.tensors[f"blk.{i}.{kind}.weight"]
             total += t.n_bytes // model.shape(t.name)[0] * len(experts)
@@ -54,7 +54,7 @@ def packed_bytes(model: GGUFModel, layers: range, experts: ExpertRange) -> int:
 def float_bytes(model: GGUFModel, layers: range, experts: ExpertRange) -> int:
     """What a float32 cache of *layers* x *experts* takes (gate, up and down of each expert)."""
     cfg = model.cfg
-    return 3 * cfg.n_ff_exp * cfg.n_embd * 4 * len(layers) * len(experts)
+    return 3 * cfg.n_ff_exp * cfg.n_embd * 4 * sum(map(cfg.is_moe, layers)) * len(experts)
 
 
 def plan_load(model: GGUFModel, kernel: Kernel, memory_budget: int | None = None, layers: range | None = None, experts: ExpertRange | None = None) -> LoadPlan:

@@ -13,11 +13,16 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from .arch import QKNorm, SharedExpert
 from .config import ModelConfig, TokenizerSpec
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Numpy shapes (ggml ne reversed) of every tensor llama.cpp requires for *cfg*."""
+    """Numpy shapes (ggml ne reversed) of every tensor llama.cpp loads for *cfg* (optional ones included).
+
+    MoE layers carry the router and the stacked experts, dense layers (``cfg.is_moe`` false) a plain
+    FFN; trailing MTP blocks (``n_nextn``) are MoE layers plus their ``nextn.*`` tensors.
+    """
     spec = cfg.spec
     e, ff, d = cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
     shapes: dict[str, tuple[int, ...]] = {
@@ -25,7 +30,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "output_norm.weight": (d,),
         "output.weight": (cfg.n_vocab, d),
     }
-    for i in range(cfg.n_layer):
+    for i in range(cfg.n_layer + cfg.n_nextn):
         b = f"blk.{i}."
         shapes |= {
             b + "attn_norm.weight": (d,),
@@ -33,28 +38,41 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             b + "attn_k.weight": (cfg.kv_dim, d),
             b + "attn_v.weight": (cfg.kv_dim, d),
             b + "attn_output.weight": (d, cfg.q_dim),
-            b + "ffn_norm.weight": (d,),
-            b + "ffn_gate_inp.weight": (e, d),
-            b + "ffn_gate_exps.weight": (e, ff, d),
-            b + "ffn_up_exps.weight": (e, ff, d),
-            b + "ffn_down_exps.weight": (e, d, ff),
+            b + spec.ffn_norm + ".weight": (d,),
         }
+        if cfg.is_moe(i):
+            shapes |= {
+                b + "ffn_gate_inp.weight": (e, d),
+                b + "ffn_gate_exps.weight": (e, ff, d),
+                b + "ffn_up_exps.weight": (e, ff, d),
+                b + "ffn_down_exps.weight": (e, d, ff),
+            }
+            if spec.selection_bias:
+                shapes[b + "exp_probs_b.bias"] = (e,)
+        else:
+            f = cfg.n_ff_dense
+            shapes |= {b + "ffn_gate.weight": (f, d), b + "ffn_up.weight": (f, d), b + "ffn_down.weight": (d, f)}
         if spec.qkv_bias:
             shapes |= {
                 b + "attn_q.bias": (cfg.q_dim,),
                 b + "attn_k.bias": (cfg.kv_dim,),
                 b + "attn_v.bias": (cfg.kv_dim,),
             }
-        if spec.qk_norm:
+        if spec.qk_norm is QKNorm.PER_HEAD:
             shapes |= {b + "attn_q_norm.weight": (cfg.head_dim,), b + "attn_k_norm.weight": (cfg.head_dim,)}
-        if cfg.n_ff_shexp:
+        elif spec.qk_norm is QKNorm.WHOLE:
+            shapes |= {b + "attn_q_norm.weight": (cfg.q_dim,), b + "attn_k_norm.weight": (cfg.kv_dim,)}
+        if cfg.n_ff_shexp and cfg.is_moe(i):
             s = cfg.n_ff_shexp
+            if spec.shared_expert is SharedExpert.SIGMOID_GATED:
+                shapes[b + "ffn_gate_inp_shexp.weight"] = (d,)
             shapes |= {
-                b + "ffn_gate_inp_shexp.weight": (d,),
                 b + "ffn_gate_shexp.weight": (s, d),
                 b + "ffn_up_shexp.weight": (s, d),
                 b + "ffn_down_shexp.weight": (d, s),
             }
+        if i >= cfg.n_layer:
+            shapes |= {b + "nextn.eh_proj.weight": (d, 2 * d), b + "nextn.enorm.weight": (d,), b + "nextn.hnorm.weight": (d,)}
     return shapes
 
 
@@ -65,25 +83,44 @@ def _keeps_f32(name: str, arr: np.ndarray) -> bool:
 
 
 def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
-    """The architecture keys llama.cpp reads (shared by full models and slices)."""
+    """The architecture keys llama.cpp reads (shared by full models and slices).
+
+    Keys of later features are written only when used, so older models' files stay byte-identical.
+    """
+    spec = cfg.spec
     w.add_name(cfg.name)
     w.add_context_length(cfg.context_length)
     w.add_embedding_length(cfg.n_embd)
-    w.add_block_count(cfg.n_layer)
-    w.add_feed_forward_length(cfg.n_ff_exp)
+    w.add_block_count(cfg.n_layer + cfg.n_nextn)
+    w.add_feed_forward_length(cfg.n_ff_dense or cfg.n_ff_exp)
     w.add_head_count(cfg.n_head)
     w.add_head_count_kv(cfg.n_head_kv)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.rope_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_vocab_size(cfg.n_vocab)
     w.add_expert_count(cfg.n_expert)
     w.add_expert_used_count(cfg.n_expert_used)
     w.add_expert_feed_forward_length(cfg.n_ff_exp)
-    if cfg.n_ff_shexp:
+    if spec.shexp_from_count:
+        w.add_expert_shared_count(cfg.n_ff_shexp // cfg.n_ff_exp)
+    elif cfg.n_ff_shexp:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
+    if cfg.n_nextn:
+        w.add_nextn_predict_layers(cfg.n_nextn)
+    if cfg.n_dense_lead:
+        w.add_leading_dense_block_count(cfg.n_dense_lead)
+    if cfg.gating is not None:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType[cfg.gating.upper()])
+    if cfg.norm_topk is not None:
+        w.add_expert_weights_norm(cfg.norm_topk)
+    if cfg.expert_weights_scale:
+        w.add_expert_weights_scale(cfg.expert_weights_scale)
+    if cfg.n_expert_groups:
+        w.add_expert_group_count(cfg.n_expert_groups)
+        w.add_expert_group_used_count(cfg.n_group_used)
 
 
 def write_model(

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .arch import Gating
+
 if TYPE_CHECKING:  # experts.kernels imports this module
     from .gguf_model import ExpertRange, GGUFModel
     from .kernels.identity import KernelIdentity
@@ -42,16 +44,50 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (np.float32(1.0) + np.exp(-x))
 
 
-def route(logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax -> top-k (slot 0 = highest probability) -> optional renormalisation, as llama.cpp.
+# llama.cpp clamps the renormalisation's denominator to the smallest normal f16 (build_moe_ffn).
+NORM_CLAMP = np.float32(6.103515625e-5)
 
-    Returns (expert ids int32 (n, k), weights float32 (n, k)).
+
+@dataclass(frozen=True)
+class Router:
+    """How llama.cpp's ``build_moe_ffn`` turns router logits into (expert ids, weights)."""
+
+    gating: Gating = Gating.SOFTMAX
+    norm: bool = False  # renormalise the k weights to sum to 1
+    scale: float = 0.0  # multiply the weights by this unless 0 or 1
+    n_groups: int = 0  # > 1: keep only the n_group_used groups with the largest top-2 sums
+    n_group_used: int = 0
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def route(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Gating -> (biased, group-limited) top-k (slot 0 = highest) -> optional renorm and scale, as llama.cpp.
+
+    The selection bias and the group mask only choose the experts; the weights are the unbiased
+    probabilities of the chosen ones. Returns (expert ids int32 (n, k), weights float32 (n, k)).
     """
-    probs = softmax(logits.astype(np.float32, copy=False))
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k].astype(np.int32)
+    logits = logits.astype(np.float32, copy=False)
+    probs = softmax(logits) if router.gating is Gating.SOFTMAX else sigmoid(logits)
+    sel = probs if selection_bias is None else probs + selection_bias
+    if router.n_groups > 1:
+        n, e = sel.shape
+        groups = sel.reshape(n, router.n_groups, e // router.n_groups)
+        top2 = -np.sort(-groups, axis=-1)[..., :2]
+        score = top2[..., 0] + top2[..., 1]
+        keep = np.argsort(-score, axis=-1, kind="stable")[:, : router.n_group_used]
+        mask = np.full(groups.shape[:2], -np.inf, dtype=np.float32)
+        np.put_along_axis(mask, keep, np.float32(0.0), axis=-1)
+        sel = (groups + mask[..., None]).reshape(n, e)
+    ids = np.argsort(-sel, axis=-1, kind="stable")[:, :k].astype(np.int32)
     w = np.take_along_axis(probs, ids, axis=-1)
-    if norm_topk:
-        w = w / w.sum(axis=-1, keepdims=True)
+    if router.norm:
+        w = w / np.maximum(w.sum(axis=-1, keepdims=True), NORM_CLAMP)
+    if router.scale not in (0.0, 1.0):
+        w = w * np.float32(router.scale)
     return ids, w.astype(np.float32)
 
 

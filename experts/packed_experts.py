@@ -33,7 +33,7 @@ class PackedExperts(ExpertSource):
         self._stacks: dict[int, tuple[QuantWeight, QuantWeight, QuantWeight]] = {}
 
     def holds(self, layer: int, expert: int) -> bool:
-        return layer in self.layers and expert in self.experts
+        return layer in self.layers and self.model.cfg.is_moe(layer) and expert in self.experts
 
     @property
     def identity(self) -> KernelIdentity:
@@ -42,7 +42,7 @@ class PackedExperts(ExpertSource):
     def warm(self) -> None:
         """Fault every page of the hosted experts in (a byte per page), so the first dispatches do not."""
         first = self.experts.start - self.model.experts.start
-        for layer in self.layers:
+        for layer in filter(self.model.cfg.is_moe, self.layers):
             for w in self.stacks(layer):
                 int(w.data[first : first + len(self.experts), ::4096].sum())
 

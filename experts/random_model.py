@@ -54,13 +54,22 @@ def byte_level_tokenizer() -> TokenizerSpec:
     return TokenizerSpec(model="gpt2", pre="gpt-2", tokens=tokens, token_types=types, merges=merges, bos_id=eot, eos_id=eot)
 
 
+# What a random model of each arch switches on beyond its table row, so every feature llama.cpp
+# implements for the arch is exercised: glm4moe gets a dense lead layer, a trailing MTP block,
+# half-width RoPE, a scaled renormalised router with expert groups; minimax-m2 half-width RoPE.
+RANDOM_FEATURES: dict[str, dict] = {
+    "glm4moe": {"n_dense_lead": 1, "n_nextn": 1, "half_rope": True, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
+    "minimax-m2": {"half_rope": True, "gating": "sigmoid"},
+}
+
+
 def random_config(
     arch: str,
     *,
     n_layer: int = 2,
     n_embd: int = 64,
     n_head: int = 4,
-    n_head_kv: int = 2,
+    n_head_kv: int | None = None,
     head_dim: int | None = None,
     n_expert: int = 8,
     n_expert_used: int = 2,
@@ -68,13 +77,30 @@ def random_config(
     n_ff_shexp: int | None = None,
     n_vocab: int | None = None,
 ) -> ModelConfig:
+    """A small model of *arch* with every feature of the arch on (:data:`RANDOM_FEATURES`)."""
     from .arch import SharedExpert, arch_spec
 
     spec = arch_spec(arch)
-    if n_ff_shexp is None:
-        n_ff_shexp = 2 * n_ff_exp if spec.shared_expert is not SharedExpert.NONE else 0
+    if n_head_kv is None:
+        n_head_kv = n_head if spec.mha_only else 2
+    elif spec.mha_only and n_head_kv != n_head:
+        raise ModelFormatError(f"{arch} needs as many KV heads as heads ({n_head}); got {n_head_kv}")
+    if spec.shared_expert is SharedExpert.NONE:
+        n_ff_shexp = 0  # the arch has none: llama.cpp would refuse the file's extra tensors
+    elif n_ff_shexp is None:
+        n_ff_shexp = 2 * n_ff_exp
+    if spec.shexp_from_count and n_ff_shexp % n_ff_exp:
+        raise ModelFormatError(f"{arch} stores the shared expert as a count of expert widths: {n_ff_shexp} is not a multiple of {n_ff_exp}")
     if not 0 < n_expert_used <= n_expert:
         raise ModelFormatError(f"top-k {n_expert_used} must be between 1 and the expert count {n_expert}")
+    head_dim = head_dim or n_embd // n_head
+    feat = RANDOM_FEATURES.get(arch, {})
+    n_dense_lead = feat.get("n_dense_lead", 0)
+    if n_layer <= n_dense_lead:
+        raise ModelFormatError(f"{arch} random models have {n_dense_lead} dense lead layer(s); give more than {n_dense_lead} layers")
+    groups, used = feat.get("groups", (0, 0))
+    if not (groups and n_expert % groups == 0 and groups < n_expert and n_expert_used <= used * (n_expert // groups)):
+        groups = used = 0  # too few experts for the arch's groups: plain top-k
     return ModelConfig(
         arch=arch,
         n_vocab=n_vocab or len(byte_level_tokenizer().tokens),
@@ -82,7 +108,7 @@ def random_config(
         n_layer=n_layer,
         n_head=n_head,
         n_head_kv=n_head_kv,
-        head_dim=head_dim or n_embd // n_head,
+        head_dim=head_dim,
         n_expert=n_expert,
         n_expert_used=n_expert_used,
         n_ff_exp=n_ff_exp,
@@ -91,6 +117,15 @@ def random_config(
         rope_theta=10000.0,
         context_length=512,
         name=f"random-{arch}",
+        n_nextn=feat.get("n_nextn", 0),
+        n_dense_lead=n_dense_lead,
+        n_ff_dense=2 * n_ff_exp if n_dense_lead else 0,
+        n_rot=head_dim // 2 if feat.get("half_rope") else 0,
+        gating=feat.get("gating"),
+        norm_topk=feat.get("norm_topk"),
+        expert_weights_scale=feat.get("expert_weights_scale", 0.0),
+        n_expert_groups=groups,
+        n_group_used=used,
     )
 
 
@@ -103,7 +138,9 @@ def _random_arrays(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarra
     """``random_tensors`` one tensor at a time, so a writer can pack each before the next exists."""
     rng = np.random.default_rng(seed)
     for name, shape in expected_shapes(cfg).items():
-        if len(shape) == 1:
+        if name.endswith("exp_probs_b.bias"):
+            arr = 0.1 * rng.standard_normal(shape)  # a selection bias on sigmoid probabilities: small, but it moves choices
+        elif len(shape) == 1:
             arr = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
             std = 1.0 / np.sqrt(shape[-1])

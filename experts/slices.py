@@ -48,6 +48,9 @@ def write_slice(model: GGUFModel, layers: range, experts: ExpertRange, out: str 
         raise SliceError(f"layers {layers.start}-{layers.stop - 1} are out of bounds: the model has layers 0-{cfg.n_layer - 1}")
     if experts.stop > cfg.n_expert:
         raise SliceError(f"experts {experts} are out of bounds: the model has experts 0-{cfg.n_expert - 1}")
+    moe = [i for i in layers if cfg.is_moe(i)]  # dense layers in the range have nothing to slice
+    if not moe:
+        raise SliceError(f"layers {layers.start}-{layers.stop - 1} are all dense (no experts); MoE layers are {cfg.moe_layers[0]}-{cfg.moe_layers[-1]}")
     w = gguf.GGUFWriter(str(out), cfg.arch)
     add_hparams(w, cfg)
     p = SLICE_PREFIX
@@ -58,7 +61,7 @@ def write_slice(model: GGUFModel, layers: range, experts: ExpertRange, out: str 
     w.add_uint32(p + "expert_stop", experts.stop)
     w.add_array(p + "manifest", model.manifest)
     leaves = {}
-    for i in layers:
+    for i in moe:
         for kind in model.expert_kinds(i):
             name = f"blk.{i}.{kind}.weight"
             leaves[name] = model.leaves[name]
@@ -89,7 +92,7 @@ def check_slice(sl: GGUFModel, expected_digest: str | None = None) -> None:
     if info.manifest[0] != config_line(sl.cfg):
         raise SliceError(f"slice {sl.path}: its hyper-parameters differ from those of model {info.model_digest[:16]}...")
     manifest_hash = {line.split("|")[0]: line.split("|")[3] for line in info.manifest[1:]}
-    for i in sl.layers:
+    for i in sl.moe_layers:
         for kind in sl.expert_kinds(i):
             name = f"blk.{i}.{kind}.weight"
             leaves = info.leaves.get(name)
@@ -130,7 +133,7 @@ class ExpertStore(ExpertSource):
         log.debug("experts.opened", path=str(model.path), layers=f"{self.layers.start}-{self.layers.stop - 1}", experts=str(self.experts), mode=self.mode)
 
     def holds(self, layer: int, expert: int) -> bool:
-        return layer in self.layers and expert in self.experts
+        return layer in self.layers and self.model.cfg.is_moe(layer) and expert in self.experts
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.holds(layer, expert):
@@ -145,6 +148,6 @@ class ExpertStore(ExpertSource):
     def warm(self) -> None:
         """Dequantize every hosted expert now (cached mode), so the first dispatches pay nothing."""
         if self.mode == "cached":
-            for i in self.layers:
+            for i in filter(self.model.cfg.is_moe, self.layers):
                 for e in range(self.experts.start, self.experts.stop):
                     self.weights(i, e)

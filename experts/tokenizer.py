@@ -69,6 +69,14 @@ _QWEN2_RE = (
 _LLAMA3_RE = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's regex (minimax-m2), as llama.cpp rewrites it: letter runs split at case changes via lookaheads.
+_UPPERISH = r"((?=[\p{L}])([^a-z]))"
+_LOWERISH = r"((?=[\p{L}])([^A-Z]))"
+_GPT4O_RE = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+{_CONTRACTIONS}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}+{_LOWERISH}*{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ _DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", "[0-9][0-
 _GPT2 = PreTokenizer((_GPT2_RE,))
 _QWEN2 = PreTokenizer((_QWEN2_RE,))
 _LLAMA3 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
+_GLM4 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True)  # llama.cpp's CHATGLM4 regex is llama3's
+_GPT4O = PreTokenizer((_GPT4O_RE,))
 
 # Names llama.cpp maps to the same behaviour share a row.
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
@@ -95,6 +105,9 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
+    "olmo": _GPT2,
+    "glm4": _GLM4,
+    "minimax-m2": _GPT4O,
 }
 SUPPORTED_MODELS = ("gpt2", "llama")
 

@@ -20,6 +20,7 @@ import dataclasses
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -181,7 +182,7 @@ class RemoteMoE:
         self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
         self.loop = loop
 
-    async def refresh(self, layers: range) -> None:
+    async def refresh(self, layers: Sequence[int]) -> None:
         """Look up every layer's hosts (through the discovery cache) and rebuild the routes."""
         for layer in layers:
             self.router.update(layer, await self.discovery.lookup(self.model_digest, layer))

@@ -73,7 +73,7 @@ def _hot_experts(model: GGUFModel, n: int, memory: int | None) -> HotExperts | N
     return HotExperts(cfg.n_layer, cfg.n_expert, n) if n else None
 
 
-async def wait_for_hosts(moe: RemoteMoE, layers: range, n_hosts: int, deadline_s: float) -> None:
+async def wait_for_hosts(moe: RemoteMoE, layers: Sequence[int], n_hosts: int, deadline_s: float) -> None:
     """Poll the DHT until every layer lists *n_hosts* hosts (workers announce asynchronously)."""
     deadline = time.monotonic() + deadline_s
     while True:

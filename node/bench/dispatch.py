@@ -59,7 +59,7 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
                 session = dict(max_datagram=max_datagram, kernel=kernel)
                 async with backbone_session(Identity.generate(), model, [boots[0]], **session) as bare, backbone_session(Identity.generate(), model, [boots[1]], ledger_path=ledger_path, **session) as booked:
                     for moe in (bare, booked):
-                        await wait_for_hosts(moe, model.layers, 1, 60)
+                        await wait_for_hosts(moe, model.moe_layers, 1, 60)
                         await asyncio.to_thread(decode, moe.hook)  # warm-up: connections, RTT, caches
                     bare.stats.records.clear()
                     bare.stats.tokens_forwarded = 0

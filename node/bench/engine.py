@@ -174,7 +174,7 @@ def rss_child() -> None:
     # centred, so hidden states share a large offset); serve every expert once so the peak counts
     # every weight read, as a long run on a real model would.
     x = np.ones((1, model.cfg.n_embd), dtype=np.float32)
-    for layer in model.layers:
+    for layer in model.moe_layers:
         for e in range(model.experts.start, model.experts.stop):
             engine.experts.ffn(layer, x, np.array([e]))
     print(json.dumps({"baseline": base["VmRSS"], "peak": _status()["VmHWM"]}))

@@ -87,7 +87,7 @@ async def _run(model: GGUFModel, kernel: Kernel, part: Partition, bootstrap: str
     ids = tok.encode(prompt)
     stop = {tok.eos_id}
     async with backbone_session(identity, model, [bootstrap], codec=codec, kernel=kernel, max_datagram=LOOPBACK_DATAGRAM, ledger_path=ledger_path) as moe:
-        await wait_for_hosts(moe, model.layers, 1, 60)
+        await wait_for_hosts(moe, model.moe_layers, 1, 60)
         out, elapsed, _ = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream)
         stats = moe.stats.summary()
     store, _ = open_experts(model, kernel)

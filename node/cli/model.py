@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 import gguf
 
+from experts.arch import ARCHS
 from experts.codecs import Codec
 from experts.errors import UsageError
 from experts.gguf_model import ExpertRange, GGUFModel
@@ -95,6 +96,7 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
         "model_digest": m.digest,
         "slice": m.is_slice,
         "layers": f"{m.layers.start}-{m.layers.stop - 1}",
+        "moe_layers": list(m.moe_layers),
         "experts": str(m.experts),
         "config": asdict(m.cfg),
         "hosted": {"layers": f"{lr.start}-{lr.stop - 1}", "experts": str(hosted), "kernel": kernel_name},
@@ -107,7 +109,8 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
     kind = "slice of model" if m.is_slice else "model"
     click.echo(f"{m.path.name}: {kind} {m.digest[:16]}..., {m.cfg.arch}, layers {info['layers']}, experts {info['experts']}")
     c = m.cfg
-    click.echo(f"hidden {c.n_embd}, {c.n_layer} layers, {c.n_expert} experts top-{c.n_expert_used}, expert FFN {c.n_ff_exp}, shared FFN {c.n_ff_shexp}")
+    dense = len(m.layers) - len(m.moe_layers)
+    click.echo(f"hidden {c.n_embd}, {c.n_layer} layers ({dense} of these dense, no experts), {c.n_expert} experts top-{c.n_expert_used}, expert FFN {c.n_ff_exp}, shared FFN {c.n_ff_shexp}")
     click.echo(f"hosting layers {info['hosted']['layers']} x experts {hosted} with kernel {kernel_name}: {plan.describe()}")
 
 
@@ -117,11 +120,11 @@ def model_group() -> None:
 
 
 @model_group.command("random")
-@click.option("--arch", default="qwen3moe", show_default=True, type=click.Choice(["qwen2moe", "qwen3moe", "llama"]))
+@click.option("--arch", default="qwen3moe", show_default=True, type=click.Choice(sorted(ARCHS)), help="Every feature llama.cpp implements for the arch is switched on (dense lead, MTP block, partial RoPE, router bias/groups/scale).")
 @click.option("--layers", "n_layer", default=2, show_default=True)
 @click.option("--hidden", "n_embd", default=64, show_default=True)
 @click.option("--heads", "n_head", default=4, show_default=True)
-@click.option("--kv-heads", "n_head_kv", default=2, show_default=True)
+@click.option("--kv-heads", "n_head_kv", default=None, type=int, help="KV heads (default 2; olmoe: as many as heads).")
 @click.option("--head-dim", "head_dim", default=None, type=int, help="Attention head width (default hidden / heads; Qwen3-30B-A3B: 128 with hidden 2048, 32 heads).")
 @click.option("--experts", "n_expert", default=8, show_default=True)
 @click.option("--top-k", "n_expert_used", default=2, show_default=True)

@@ -65,7 +65,7 @@ async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str
     tok = Tokenizer.from_spec(model.tokenizer_spec)
     backbone = Backbone(model, session["kernel"])
     async with backbone_session(identity, model, bootstrap, **session) as remote:
-        await wait_for_hosts(remote, model.layers, wait_hosts, 60)
+        await wait_for_hosts(remote, model.moe_layers, wait_hosts, 60)
         moe = BatchingMoE(remote, model.cfg.n_layer, asyncio.get_running_loop(), window_s=options["window_s"])
         cache = PrefixCache(options["prefix_bytes"]) if options["prefix_bytes"] else None
         engine = Engine(backbone, tok, moe, max_batch=options["max_batch"], max_queue=options["max_queue"], prefix_cache=cache, speculative=options["speculative"])

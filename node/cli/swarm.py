@@ -154,7 +154,7 @@ async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, sessi
     tok = Tokenizer.from_spec(model.tokenizer_spec)
     bb = Backbone(model, session["kernel"])
     async with backbone_session(ident, model, bootstrap, **session) as moe:
-        await wait_for_hosts(moe, model.layers, wait_hosts, 60)
+        await wait_for_hosts(moe, model.moe_layers, wait_hosts, 60)
         out, elapsed, spec = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative, overlap=overlap)
         if stream:
             click.echo(json.dumps(moe.stats.summary()), err=True)

@@ -151,13 +151,18 @@ class WorkerNode:
         """What the ready file publishes: how launchers and tests reach this worker."""
         return {"role": "worker", "peer_id": str(self.identity.peer_id), "quic_addr": self.addr, "relay": self.opts.relay, "reachability": self.reachability, "dht_addrs": self.dht.multiaddrs, "load": self.plan.mode, "resident_bytes": self.plan.resident_bytes, "kernel": str(self.store.identity), "price": self.worker.price, "ledger": str(self.ledger_path) if self.ledger_path else None}
 
+    @property
+    def moe_layers(self) -> list[int]:
+        """The hosted layers that have experts: dense layers have nothing to announce."""
+        return [layer for layer in self.store.layers if self.model.cfg.is_moe(layer)]
+
     def slices(self, price: int) -> list[HostedSlice]:
-        return [HostedSlice(self.model.digest, layer, self.ranges, quic_addr=self.addr, relay=self.relay_addr, capacity=self.opts.capacity, price=price, kernel=str(self.store.identity)) for layer in self.store.layers]
+        return [HostedSlice(self.model.digest, layer, self.ranges, quic_addr=self.addr, relay=self.relay_addr, capacity=self.opts.capacity, price=price, kernel=str(self.store.identity)) for layer in self.moe_layers]
 
     async def replicas(self) -> int:
         """Live hosts (this one included) of our slice's scarcest layer."""
         counts = []
-        for layer in self.store.layers:
+        for layer in self.moe_layers:
             hosts = await self.dht.lookup(self.model.digest, layer)
             counts.append(1 + sum(1 for r in hosts if r.peer_id != self.identity.peer_id and r.hosted.expert_ranges == self.ranges))
         return min(counts)

@@ -16,3 +16,16 @@ def test_head_dim_option_sets_the_attention_width(tmp_path):
     assert p.returncode == 0, p.stderr
     cfg = GGUFModel(out).cfg
     assert (cfg.head_dim, cfg.q_dim, cfg.kv_dim) == (32, 128, 64)
+
+
+def test_glm4moe_random_model_and_inspect_show_its_dense_layer(tmp_path):
+    """--arch glm4moe writes a model with a dense lead layer and an MTP block; inspect lists only the MoE layers."""
+    import json
+
+    out = tmp_path / "glm.gguf"
+    p = subprocess.run([sys.executable, "-m", "node", "model", "random", "--arch", "glm4moe", "--layers", "3", "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out), "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["moe_layers"] == [1, 2] and info["config"]["n_nextn"] == 1 and info["load"]["float_bytes"] == 2 * 8 * 3 * 32 * 64 * 4 and info["load"]["mode"] == "packed"

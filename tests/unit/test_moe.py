@@ -6,7 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experts.moe import TILE, ExpertSource, Partition, combine, expert_ffn, grouped_moe, ordered_sum, partial_sum, route
+from experts.arch import Gating
+from experts.moe import TILE, ExpertSource, Partition, Router, combine, expert_ffn, grouped_moe, ordered_sum, partial_sum, route
 
 
 class RandomExperts(ExpertSource):
@@ -35,14 +36,41 @@ def test_route_matches_softmax_topk_and_renormalises_when_asked():
     """Slot 0 holds the highest probability; weights are probabilities, renormalised only if the arch does."""
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((6, 10)).astype(np.float32) * 3
-    ids, w = route(logits, 3, norm_topk=False)
+    ids, w = route(logits, 3, Router(norm=False))
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     for t in range(6):
         assert list(ids[t]) == list(np.argsort(-p[t])[:3])
         np.testing.assert_allclose(w[t], p[t, ids[t]], rtol=1e-6)
-    _, wn = route(logits, 3, norm_topk=True)
+    _, wn = route(logits, 3, Router(norm=True))
     np.testing.assert_allclose(wn.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_sigmoid_router_selects_with_the_bias_but_weighs_without_it():
+    """exp_probs_b moves the choice only; weights are the unbiased sigmoids, renormalised (clamped) and scaled."""
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((5, 8)).astype(np.float32) * 2
+    bias = np.zeros(8, dtype=np.float32)
+    bias[7] = 10.0  # expert 7 always wins the selection
+    ids, w = route(logits, 2, Router(Gating.SIGMOID, norm=True, scale=2.5), bias)
+    p = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    for t in range(5):
+        assert ids[t, 0] == 7 and ids[t, 1] == int(np.argsort(-p[t, :7])[0])
+        np.testing.assert_allclose(w[t], 2.5 * p[t, ids[t]] / p[t, ids[t]].sum(), rtol=1e-6)
+    _, tiny = route(np.full((1, 8), -30.0, dtype=np.float32), 2, Router(Gating.SIGMOID, norm=True))
+    assert np.all(tiny < 1e-6)  # the clamp keeps tiny sums from being blown up to 0.5 each
+
+
+def test_group_limited_routing_only_picks_from_the_best_groups():
+    """With 4 groups of 2 and 2 groups kept, experts come from the two groups with the largest top-2 sums."""
+    logits = np.array([[5.0, 4.0, 9.0, -9.0, 1.0, 1.0, -5.0, -5.0]], dtype=np.float32)
+    # group sums (softmax is monotone, compare logits): g0 = {5,4}, g1 = {9,-9}, g2 = {1,1}, g3 = {-5,-5}
+    ids, _ = route(logits, 3, Router(n_groups=4, n_group_used=2))
+    p = np.exp(logits[0] - logits.max())
+    p /= p.sum()
+    best = np.argsort(-(np.sort(p.reshape(4, 2), axis=-1)[:, ::-1][:, :2].sum(-1)))[:2]
+    allowed = {int(g) * 2 + j for g in best for j in range(2)}
+    assert set(ids[0].tolist()) <= allowed and ids[0, 0] == 2
 
 
 def test_ordered_sum_adds_present_terms_left_to_right():

@@ -1,0 +1,56 @@
+"""olmoe / glm4moe / minimax-m2 through a real local swarm: one worker on the full file, one on a slice file."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from experts.codecs import Codec
+from experts.forward import local_moe
+from experts.generate import generate
+from experts.gguf_model import GGUFModel
+from experts.moe import Partition, grouped_moe
+from experts.slices import check_slice
+from node.backbone.session import backbone_session, wait_for_hosts
+from node.launcher import Cluster
+from p2p.identity import Identity
+from tests.support import moeswarm
+from tests.support.engine import local_engine
+
+from ..conftest import NEW_ARCHS, make_model
+
+pytestmark = pytest.mark.slow
+N_TOKENS = 16
+PROMPT = [264, 72, 101, 108, 108, 111]
+
+
+async def remote_run(model: GGUFModel, boot: str) -> list:
+    bb, _ = local_engine(model)
+    async with backbone_session(Identity.generate(), model, [boot], codec=Codec.F32, kernel=bb.kernel) as moe:
+        await wait_for_hosts(moe, model.moe_layers, 1, 60)
+        return await asyncio.to_thread(lambda: list(generate(bb, PROMPT, N_TOKENS, moe.hook)))
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_swarm_with_a_slice_file_generates_the_local_tokens(model_dir, tmp_path, arch):
+    """Experts 0-3 from the full file, 4-7 from a `moeswarm slice` of layers 0-2 (glm4moe's layer 0 is dense): same bits as local."""
+    model = GGUFModel(make_model(model_dir, arch, n_layer=3))
+    sl = tmp_path / "slice.gguf"
+    p = moeswarm("slice", str(model.path), "--layers", "0-2", "--experts", "4-7", "-o", str(sl))
+    assert p.returncode == 0, p.stderr
+    check_slice(GGUFModel(sl), model.digest)
+    with Cluster(tmp_path) as cluster:
+        boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
+        procs = [
+            cluster.start("w0", "worker", "--model", str(model.path), "--experts", "0-3", "--bootstrap", boot),
+            cluster.start("w1", "worker", "--model", str(sl), "--bootstrap", boot),
+        ]
+        for proc in procs:
+            proc.wait_ready()
+        remote = asyncio.run(remote_run(model, boot))
+    bb, store = local_engine(model)
+    part = Partition(((0, 4), (4, 8)))
+    local = list(generate(bb, PROMPT, N_TOKENS, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))))
+    assert [t for t, _ in remote] == [t for t, _ in local]
+    assert all(a.tobytes() == b.tobytes() for (_, a), (_, b) in zip(remote, local, strict=True))

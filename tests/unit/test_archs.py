@@ -1,0 +1,110 @@
+"""olmoe / glm4moe / minimax-m2 files: what the reader makes of them, their dense layers in slices, clear errors."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from experts.errors import ModelFormatError, SliceError
+from experts.gguf_model import ExpertRange, GGUFModel
+from experts.hosting import float_bytes, packed_bytes
+from experts.model_writer import write_model
+from experts.moe import partial_sum
+from experts.random_model import byte_level_tokenizer, random_config, random_tensors
+from experts.slices import ExpertStore, check_slice, write_slice
+
+from ..conftest import NEW_ARCHS, make_model
+
+
+def test_glm4moe_reads_its_schedule_router_and_rope_from_the_file(model_dir):
+    """block_count counts the MTP block, which is not run; layer 0 is dense; half the head rotates."""
+    m = GGUFModel(make_model(model_dir, "glm4moe", n_layer=3))
+    assert int(m.reader.fields["glm4moe.block_count"].contents()) == 4
+    c = m.cfg
+    assert (c.n_layer, c.n_nextn, c.n_dense_lead, c.rope_dim, c.head_dim) == (3, 1, 1, 8, 16)
+    assert m.moe_layers == (1, 2) and not c.is_moe(0)
+    r = c.router
+    assert (r.gating.name, r.norm, r.scale, r.n_groups, r.n_group_used) == ("SIGMOID", True, 2.5, 4, 2)
+    assert m.has("blk.3.nextn.eh_proj.weight") and m.has("blk.0.ffn_gate.weight") and not m.has("blk.0.ffn_gate_inp.weight")
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_new_archs_config_lines_name_only_what_they_use(model_dir, arch):
+    """Later config fields enter the config line (and so the digest) only when they are not at their default."""
+    line = GGUFModel(make_model(model_dir, arch)).manifest[0]
+    assert ("n_dense_lead" in line) == (arch == "glm4moe")
+    assert ("n_rot" in line) == (arch != "olmoe")
+
+
+def test_missing_required_keys_and_tensors_are_named(tmp_path, monkeypatch):
+    """Keys llama.cpp refuses a file without (expert_shared_count, expert_gating_func) and the selection bias, one line each."""
+    cases = [("glm4moe", "add_expert_shared_count", "glm4moe.expert_shared_count"), ("minimax-m2", "add_expert_gating_func", "minimax-m2.expert_gating_func")]
+    for arch, method, key in cases:
+        with monkeypatch.context() as mp:
+            mp.setattr(gguf.GGUFWriter, method, lambda self, value: None)
+            cfg = random_config(arch)
+            p = tmp_path / f"{arch}.gguf"
+            write_model(p, cfg, random_tensors(cfg), byte_level_tokenizer())
+        with pytest.raises(ModelFormatError) as err:
+            GGUFModel(p)
+        assert key in str(err.value) and "missing" in str(err.value) and "\n" not in str(err.value)
+    cfg = random_config("minimax-m2")
+    p = tmp_path / "nobias.gguf"
+    write_model(p, cfg, {k: v for k, v in random_tensors(cfg).items() if k != "blk.1.exp_probs_b.bias"}, byte_level_tokenizer())
+    with pytest.raises(ModelFormatError, match="tensor blk.1.exp_probs_b.bias is missing"):
+        GGUFModel(p)
+
+
+def test_glm4moe_optional_attention_tensors_may_be_absent(tmp_path):
+    """GLM-4.5 files without q/k norms or biases load (llama.cpp loads them if present)."""
+    cfg = random_config("glm4moe")
+    p = tmp_path / "plain.gguf"
+    kept = {k: v for k, v in random_tensors(cfg).items() if not k.endswith(cfg.spec.optional_tensors)}
+    write_model(p, cfg, kept, byte_level_tokenizer())
+    m = GGUFModel(p)
+    assert not m.has("blk.0.attn_k_norm.weight") and not m.has("blk.0.attn_q.bias") and m.has("blk.1.exp_probs_b.bias")
+
+
+def test_olmoe_needs_as_many_kv_heads_as_heads():
+    """llama.cpp norms olmoe's whole K with an n_embd-wide weight: fewer KV heads are refused up front."""
+    assert random_config("olmoe").n_head_kv == 4
+    with pytest.raises(ModelFormatError, match="as many KV heads"):
+        random_config("olmoe", n_head_kv=2)
+
+
+def test_a_slice_over_dense_layers_holds_only_the_moe_ones(model_dir, tmp_path):
+    """Layers 0-2 of a glm4moe model: the slice proves and computes layers 1-2; layer 0 (dense) alone is refused."""
+    full = GGUFModel(make_model(model_dir, "glm4moe", n_layer=3))
+    sl = GGUFModel(write_slice(full, range(0, 3), ExpertRange(2, 6), tmp_path / "s.gguf"))
+    check_slice(sl, full.digest)
+    assert sl.layers == range(0, 3) and sl.moe_layers == (1, 2) and not sl.has("blk.0.ffn_gate_exps.weight")
+    store = ExpertStore(sl)
+    store.warm()
+    assert not store.holds(0, 3) and store.holds(1, 3)
+    assert float_bytes(sl, sl.layers, sl.experts) == float_bytes(full, range(1, 3), ExpertRange(2, 6)) == 2 * 4 * 3 * full.cfg.n_ff_exp * full.cfg.n_embd * 4
+    assert packed_bytes(sl, sl.layers, sl.experts) == packed_bytes(full, range(0, 3), ExpertRange(2, 6)) > 0
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, full.cfg.n_embd)).astype(np.float32)
+    ids = rng.integers(2, 6, size=(3, 2)).astype(np.int32)
+    w = rng.random((3, 2)).astype(np.float32)
+    held = np.ones_like(ids, dtype=bool)
+    a, _ = partial_sum(ExpertStore(full), 2, x, ids, w, held)
+    b, _ = partial_sum(store, 2, x, ids, w, held)
+    assert a.tobytes() == b.tobytes()
+    with pytest.raises(SliceError, match="all dense"):
+        write_slice(full, range(0, 1), ExpertRange(0, 4), tmp_path / "dense.gguf")
+
+
+def test_unknown_tensors_are_refused_but_optional_mtp_ones_load(tmp_path):
+    """An NVFP4 ``*.scale`` tensor is named and refused (as llama.cpp refuses tensors it does not load);
+    an MTP block's optional head tensors are accepted, since they are never run."""
+    cfg = random_config("glm4moe")
+    tensors = random_tensors(cfg)
+    p = tmp_path / "scale.gguf"
+    write_model(p, cfg, {**tensors, "blk.1.ffn_down_exps.scale": np.ones(cfg.n_expert, dtype=np.float32)}, byte_level_tokenizer())
+    with pytest.raises(ModelFormatError, match=r"tensor blk.1.ffn_down_exps.scale .* is not one moeswarm reads for glm4moe"):
+        GGUFModel(p)
+    p = tmp_path / "mtp.gguf"
+    write_model(p, cfg, {**tensors, f"blk.{cfg.n_layer}.nextn.shared_head_norm.weight": np.ones(cfg.n_embd, dtype=np.float32)}, byte_level_tokenizer())
+    assert GGUFModel(p).has(f"blk.{cfg.n_layer}.nextn.shared_head_norm.weight")
