@@ -42,3 +42,7 @@ class CodecError(UsageError):
 
 class KernelError(MoeSwarmError):
     """The compute kernel on this machine failed its self-test (a row's bits depend on its batch): do not serve."""
+
+
+class TrustError(UsageError):
+    """A CA file given to verify TLS peers (``--relay-ca``) cannot be read or holds no PEM certificate."""
