@@ -103,7 +103,7 @@ class RelaySettings:
     keepalive: float = DEFAULT_KEEPALIVE
 
     def tls(self) -> ssl.SSLContext:
-        """The context every ``wss://`` link of this node uses (built once per call: CA files are small)."""
+        """The context for a ``wss://`` link with these settings (a new one per call: CA files are small)."""
         return client_tls(self.ca_file)
 
     def client(self, identity: Identity, url: str, *, expected_relay: PeerId | None = None, backoff: Backoff = Backoff()) -> RelayClient:
