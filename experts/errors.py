@@ -45,3 +45,7 @@ class KernelError(UsageError):
 
     A usage error because the operator can act on it: choose another kernel (``--kernel reference``).
     """
+
+
+class TrustError(UsageError):
+    """A CA file given to verify TLS peers (``--relay-ca``) cannot be read or holds no PEM certificate."""

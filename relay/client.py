@@ -2,8 +2,15 @@
 
 ``RelayClient`` keeps one outbound WebSocket to a relay: it authenticates with the node's identity, hands every
 ``RecvPacket`` to ``on_packet(src, data)``, and reconnects with exponential backoff and jitter whenever the relay
-goes away. ``send`` never blocks: packets wait in a bounded buffer (the newest is dropped when it is full) and go
-out once the relay has accepted us, so a QUIC connection rides out a relay restart on retransmissions.
+goes away (the backoff starts over after every connection the relay accepted: a restart of the relay or of a proxy
+in front of it costs one short wait, however many attempts the previous outage took). ``send`` never blocks:
+packets wait in a bounded buffer (the newest is dropped when it is full) and go out once the relay has accepted
+us, so a QUIC connection rides out a relay restart on retransmissions.
+
+``wss://`` URLs verify the relay's certificate against the system trust store, plus the private CA of
+``RelaySettings.ca_file`` when one is given (a relay with its own certificate, or behind a TLS-terminating proxy
+with one). ``RelaySettings`` is what the worker and backbone commands configure (``--relay-ca``,
+``--relay-keepalive``); ``RelaySettings.client`` builds each link with them.
 
 ``RelayPath`` gives each remote peer a stable virtual address, ``("relay:<peer id>", 0)``, and routes the endpoint's
 datagrams for it through the client; datagrams from the relay are fed back with ``datagram_received`` under that
@@ -16,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import random
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import structlog
@@ -27,7 +36,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.typing import Subprotocol
 
-from experts.errors import MoeSwarmError
+from experts.errors import MoeSwarmError, TrustError
 from p2p import backoff
 from p2p.identity import Identity, PeerId
 from p2p.pathkind import RELAY_HOST_PREFIX
@@ -67,6 +76,43 @@ class Backoff(backoff.Backoff):
     stable_after: float = 5.0  # a connection that lasted this long resets the delay to ``first``
 
 
+DEFAULT_KEEPALIVE = SessionLimits().ping_interval
+
+
+def client_tls(ca_file: Path | None = None) -> ssl.SSLContext:
+    """The TLS context for ``wss://`` relays: the system trust store, plus ``ca_file`` (PEM) if given."""
+    context = ssl.create_default_context()
+    if ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=str(ca_file))
+        except (OSError, ssl.SSLError) as exc:
+            raise TrustError(f"cannot use {ca_file} as a relay CA (a PEM certificate file is needed): {exc}") from None
+    return context
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """How a node links to relays: whom to trust for ``wss://`` and how often to prove the link alive.
+
+    ``keepalive``: seconds of silence before the client pings the relay; keep it below the idle timeout of any
+    proxy or load balancer in front of the relay (nginx's ``proxy_read_timeout`` is 60 s, some CDNs close idle
+    WebSockets after 10-30 s). The relay must answer within ``SessionLimits.ping_timeout`` of a ping.
+    """
+
+    ca_file: Path | None = None
+    keepalive: float = DEFAULT_KEEPALIVE
+
+    def tls(self) -> ssl.SSLContext:
+        """The context for a ``wss://`` link with these settings (a new one per call: CA files are small)."""
+        return client_tls(self.ca_file)
+
+    def client(self, identity: Identity, url: str, *, expected_relay: PeerId | None = None, backoff: Backoff = Backoff()) -> RelayClient:
+        """A ``RelayClient`` for ``url`` with these settings."""
+        tls = self.tls() if url.startswith("wss://") else None
+        limits = SessionLimits(ping_interval=self.keepalive)
+        return RelayClient(identity, url, expected_relay=expected_relay, tls=tls, backoff=backoff, limits=limits)
+
+
 class RelayClient:
     """One node's link to one relay (``ws://`` or ``wss://`` URL ending in ``/relay``)."""
 
@@ -84,7 +130,7 @@ class RelayClient:
         backoff: Backoff = Backoff(),
         limits: SessionLimits = SessionLimits(),
     ) -> None:
-        """``expected_relay`` pins the relay's key; ``tls`` overrides the default CA check for ``wss://``."""
+        """``expected_relay`` pins the relay's key; ``tls`` overrides the system trust store for ``wss://``."""
         self.identity = identity
         self.peer_id = identity.peer_id
         self.url = url
@@ -95,7 +141,7 @@ class RelayClient:
         self.sent = 0
         self.received = 0
         self.dropped = 0  # packets refused by a full buffer
-        self._tls = tls
+        self._tls = tls if tls is not None or not url.startswith("wss://") else client_tls()
         self._buffer_packets = buffer_packets
         self._buffer_bytes = buffer_bytes
         self._backoff = backoff
@@ -107,6 +153,7 @@ class RelayClient:
         self._close_reason = ""
         self._closing = False
         self._wakeup = asyncio.Event()
+        self._rearm = asyncio.Event()  # a received frame moved the session's timer sooner
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -162,19 +209,24 @@ class RelayClient:
         attempt = 0
         while True:
             started = loop.time()
+            accepted = False
             try:
-                await self._connect_once()
+                accepted = await self._connect_once()
             except (OSError, InvalidHandshake, InvalidURI, TimeoutError, ConnectionClosed) as exc:
                 log.info("relay.connect_failed", url=self.url, error=f"{type(exc).__name__}: {exc}")
             except Exception:  # a bug must not end reconnection silently: log it loudly and keep trying
                 log.exception("relay.client_failed", url=self.url)
-            if self._backoff.lasted(loop.time() - started):
+            if accepted or self._backoff.lasted(loop.time() - started):  # see _connect_once
                 attempt = 0
             delay = self._backoff.delay(attempt, self._rng)
             attempt += 1
             await asyncio.sleep(delay)
 
-    async def _connect_once(self) -> None:
+    async def _connect_once(self) -> bool:
+        """One connection, from the handshake until it ends. True if the relay accepted us and the link then just
+        ended (a relay or proxy restart, a network drop): reconnecting starts over from the first backoff delay.
+        A session closed by a frame (the relay's Error, e.g. "replaced by a newer connection", or our keepalive
+        timeout) keeps counting, so two processes sharing one key do not take turns at full speed."""
         loop = asyncio.get_running_loop()
         async with connect(
             self.url,
@@ -190,26 +242,46 @@ class RelayClient:
             self._control.clear()
             self._close_reason = ""  # set by the session's Closed event
             tasks = [loop.create_task(self._write(ws, session)), loop.create_task(self._keep_alive(ws, session))]
+            lost: ConnectionClosed | None = None
             try:
                 async for message in ws:
+                    armed = session.get_timer()
                     self._on_events(session.receive(message, loop.time()))
+                    if (timer := session.get_timer()) is not None and armed is not None and timer < armed:
+                        self._rearm.set()  # sooner than the keepalive task sleeps: wake it (a later one it finds itself)
                     if session.state is State.CLOSED:
                         break
+            except ConnectionClosed as exc:  # the TCP/TLS stream ended without a close handshake (e.g. a proxy died)
+                lost = exc
             finally:
                 was_connected = self.connected
+                accepted = was_connected and not self._close_reason
                 self._connected.clear()
                 session.connection_lost()
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-                if self._closing:
-                    reason = "client closing"
-                else:
-                    reason = self._close_reason or ws.close_reason or "connection closed by the relay"
+                reason = self._end_reason(ws, lost)
                 if was_connected:
-                    log.info("relay.disconnected", url=self.url, reason=reason)
+                    log.info("relay.disconnected", url=self.url, reason=reason, peer=str(self.peer_id))
                 elif self._close_reason:
                     log.warning("relay.refused", url=self.url, reason=reason)
+                elif lost is not None:
+                    log.info("relay.connect_failed", url=self.url, error=reason)
+        return accepted
+
+    def _end_reason(self, ws: ClientConnection, lost: ConnectionClosed | None) -> str:
+        """Who ended a connection, as far as this side can tell: us, the relay's session (with its reason), the
+        relay's WebSocket close, or neither (the stream broke: the network, or a proxy in between went away)."""
+        if self._closing:
+            return "client closing"
+        if self._close_reason:
+            return self._close_reason
+        received = ws.protocol.close_rcvd
+        if received is not None:
+            return f"closed by the relay (code {received.code}{': ' + received.reason if received.reason else ''})"
+        cause = f": {lost.__cause__!r}" if lost is not None and lost.__cause__ is not None else ""
+        return f"connection lost without a close from the relay{cause}"
 
     def _on_events(self, events: list[Event]) -> None:
         for event in events:
@@ -254,9 +326,13 @@ class RelayClient:
                 await self._wakeup.wait()
 
     async def _keep_alive(self, ws: ClientConnection, session: ClientSession) -> None:
+        """Run the session's one timer, re-armed whenever a received frame moved it: authentication replaces the
+        auth deadline by the keepalive, which may be sooner (a keepalive shorter than ``auth_timeout``)."""
         loop = asyncio.get_running_loop()
         while (timer := session.get_timer()) is not None:
-            await asyncio.sleep(max(0.0, timer - loop.time()))
+            self._rearm.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rearm.wait(), max(0.0, timer - loop.time()))
             self._on_events(session.handle_timer(loop.time()))
         await ws.close(1000, self._close_reason[:120])  # the session closed: a silent relay, or no auth in time
 

@@ -26,17 +26,18 @@ from p2p.discovery import CachedDiscovery
 from p2p.helpers import NodeReachability
 from p2p.identity import Identity
 from p2p.quic import Endpoint
-from relay.client import RelayClient, attach
+from relay.client import RelaySettings, attach
 
 log = structlog.get_logger("node.backbone.session")
 
 
 @asynccontextmanager
-async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, kernel: Kernel, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, ledger_path: Path | None = None, max_price: int | None = None, local_experts: int = 0, local_memory: int | None = None):
+async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, kernel: Kernel, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, ledger_path: Path | None = None, max_price: int | None = None, local_experts: int = 0, local_memory: int | None = None, relay: RelaySettings = RelaySettings()):
     """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, connector, local fallback experts.
 
     *kernel* computes the fallback (and hot, and spot-checked) experts; give the backbone's dense forward the same
     one, so that a group computed here has the same bits as one computed by a worker with this kernel.
+    *relay*: how links to the workers' relays (URLs from their records) trust ``wss://`` and keep alive.
     """
     require_verified(model.digest, codec)  # a lossy wire only after its gate passed on this machine
     async with contextlib.AsyncExitStack() as stack:
@@ -55,7 +56,7 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         reach.start()
         checking = asyncio.create_task(reach.check())  # in the background: dispatches start on the relay anyway
         stack.push_async_callback(_cancel, checking)
-        connector = Connector(endpoint, relay_route=lambda url, relay_peer: attach(endpoint, RelayClient(identity, url, expected_relay=relay_peer)), nat=reach.nat)
+        connector = Connector(endpoint, relay_route=lambda url, relay_peer: attach(endpoint, relay.client(identity, url, expected_relay=relay_peer)), nat=reach.nat)
         stack.push_async_callback(connector.close)
         cfg = model.cfg
         yield RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0], loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price)

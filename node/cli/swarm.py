@@ -15,7 +15,7 @@ from experts.slices import parse_range
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bootstrap import run_bootstrap_node
-from node.cli.options import bootstrap_opt, data_dir_opt, kernel_options, open_kernel, parse_size, ready_opt, thread_count
+from node.cli.options import bootstrap_opt, data_dir_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, thread_count
 from node.cli.root import LazyGroup, emit_json
 from node.cli.streaming import stream_tokens
 from node.ledger.store import FILENAME
@@ -75,9 +75,10 @@ def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ..
 @click.option("--drain-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0), help="On SIGTERM/SIGINT: seconds to finish the dispatches in flight (after withdrawing the records, new ones are refused) before closing.")
 @click.option("--dispatch-delay", default=0.0, hidden=True, type=click.FloatRange(min=0), help="Test only: seconds every dispatch waits before computing.")
 @click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay).")
+@relay_opts
 @data_dir_opt
 @ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, data_dir, ready_file) -> None:
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
@@ -101,6 +102,7 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         max_datagram=max_datagram,
         relay=relay,
         relay_only=relay_only,
+        relay_settings=relay_settings(relay_ca, relay_keepalive),
         recheck_s=recheck_s,
         drain_timeout=drain_timeout,
         dispatch_delay=dispatch_delay,
@@ -135,16 +137,17 @@ def backbone_group() -> None:
 @click.option("--speculative/--no-speculative", default=True, show_default=True, help="Verify prompt-lookup drafts in one pass (greedy output unchanged).")
 @click.option("--overlap/--no-overlap", default=True, show_default=True, help="Compute the shared expert while a layer's dispatch is in flight.")
 @kernel_options
+@relay_opts
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, speculative, overlap, kernel_name, threads, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, speculative, overlap, kernel_name, threads, relay_ca, relay_keepalive, data_dir, as_json) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     ident = load_identity(home)
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
     session = dict(codec=codec, timeout=timeout, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
-                   local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None)
+                   local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None, relay=relay_settings(relay_ca, relay_keepalive))
     result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative, overlap=overlap))
     if as_json:
         emit_json(result)

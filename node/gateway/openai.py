@@ -12,7 +12,10 @@ shape is tested without a server; :mod:`node.gateway.server` puts them on the wi
 * Chat prompt template (the embedded model has none): one line per message,
   ``"System: ..."``, ``"User: ..."``, ``"Assistant: ..."``, then ``"Assistant:"``;
   generation also stops at ``"\\nUser:"``.
-* Errors are OpenAI-style JSON, ``{"error": {"message", "type", "param", "code"}}``.
+* Errors are OpenAI-style JSON, ``{"error": {"message", "type", "param", "code"}}``. A body
+  that is not JSON, nests deeper than ``MAX_JSON_DEPTH``, gives a field the wrong type or
+  holds text that is not Unicode (a lone surrogate such as ``"\\ud800"``, which JSON allows)
+  is a 400 naming what is wrong, never a 500.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ CHAT_ROLES = {"system": "System", "developer": "System", "user": "User", "assist
 CHAT_STOP = "\nUser:"
 MAX_STOP = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_JSON_DEPTH = 32  # a chat request nests 5 deep; Python's parser would recurse (and fail) near 1000
 
 
 class ApiError(MoeSwarmError):
@@ -50,6 +54,39 @@ INTERNAL_ERROR = ApiError(500, "internal error: the server could not complete th
 
 
 # --- requests -------------------------------------------------------------------------------------
+
+
+def parse_body(raw: bytes) -> object:
+    """The request body's JSON value; 400 for bytes that are not UTF-8 JSON or nest too deep."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the request body nests too deeply (at most {MAX_JSON_DEPTH} levels)")
+    return body
+
+
+def _depth(value: object) -> int:
+    """How deeply arrays and objects nest in a decoded JSON value (iterative: no recursion limit to hit)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            todo.extend((child, d + 1) for child in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _text(value: str, param: str) -> str:
+    """*value*, if it is text that UTF-8 can encode (JSON's ``"\\ud800"`` decodes to a lone surrogate, which cannot)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{param}' is not valid Unicode text (it holds a lone surrogate such as \\ud800)", param=param) from None
+    return value
 
 
 @dataclass(frozen=True)
@@ -83,7 +120,7 @@ def render_chat(messages: object) -> str:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages")
     lines = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}] needs a 'role' among {sorted(CHAT_ROLES)}", param=f"messages[{i}].role")
         content = m.get("content")
         if isinstance(content, list):
@@ -92,7 +129,7 @@ def render_chat(messages: object) -> str:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or an array of text parts", param=f"messages[{i}].content")
-        lines.append(f"{CHAT_ROLES[m['role']]}: {content}\n")
+        lines.append(f"{CHAT_ROLES[m['role']]}: {_text(content, f'messages[{i}].content')}\n")
     return "".join(lines) + "Assistant:"
 
 
@@ -165,6 +202,7 @@ def parse_job(body: object, *, chat: bool, tok: Tokenizer, context_length: int, 
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, f"'stop' must be a non-empty string or an array of at most {MAX_STOP} of them", param="stop")
+    stop = [_text(s, "stop") for s in stop]
     if chat and CHAT_STOP not in stop:
         stop.append(CHAT_STOP)
     return Job(tuple(prompt), max_tokens, sampling, tuple(stop), session)
@@ -174,7 +212,7 @@ def _prompt_tokens(prompt: object, tok: Tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tok.encode(prompt)
+        return tok.encode(_text(prompt, "prompt"))
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(not 0 <= t < tok.vocab_size for t in prompt):
             raise ApiError(400, f"token ids must be in 0..{tok.vocab_size - 1}", param="prompt")
@@ -219,8 +257,16 @@ def parse_request(body: object, *, chat: bool, served: str, tok: Tokenizer, cont
     session = session_header or (body.get("user") if isinstance(body, dict) and isinstance(body.get("user"), str) else None)
     job = parse_job(body, chat=chat, tok=tok, context_length=context_length, session=session or None)
     assert isinstance(body, dict)  # parse_job refused anything else
-    if body.get("stream_options") is not None and not body.get("stream"):
-        raise ApiError(400, "'stream_options' is only allowed with stream=true", param="stream_options")
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false", param="stream")
+    if options is not None:
+        if not stream:
+            raise ApiError(400, "'stream_options' is only allowed with stream=true", param="stream_options")
+        if not isinstance(options, dict):
+            raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}", param="stream_options")
+        if not isinstance(options.get("include_usage", False), bool):
+            raise ApiError(400, "'stream_options.include_usage' must be true or false", param="stream_options.include_usage")
     return job
 
 

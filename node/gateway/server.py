@@ -6,10 +6,16 @@ jobs run in the :class:`node.gateway.engine.Engine` (continuous batching, prefix
 speculative decoding). The server runs on the same asyncio loop as the QUIC endpoint,
 so dispatch and HTTP share one thread and no locks. ``GET /v1/stats`` adds up requests,
 prefix-cache hits, batching and dispatches.
+
+A client that disconnects cancels its request's handler (aiohttp's ``handler_cancellation``):
+the handler's ``finally`` cancels the sequence, which stops after its current token, for a
+streamed response and for a plain one alike (a plain one never writes before it is done,
+so only the cancellation can tell it the client left).
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
@@ -18,7 +24,7 @@ from aiohttp import web
 
 from node.backbone.dispatch import RemoteMoE
 from node.gateway.engine import Engine, QueueFull, Stream
-from node.gateway.openai import INTERNAL_ERROR, ApiError, Finished, Reply, check_model, model_card, parse_request, sse
+from node.gateway.openai import INTERNAL_ERROR, ApiError, Finished, Reply, check_model, model_card, parse_body, parse_request, sse
 
 log = structlog.get_logger("node.gateway.server")
 
@@ -46,7 +52,7 @@ class Gateway:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         await web.SockSite(self._runner, sock, shutdown_timeout=2.0).start()
         return host, sock.getsockname()[1]
@@ -91,10 +97,7 @@ class Gateway:
         return await self._respond(request, chat=True)
 
     async def _respond(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        body = parse_body(await request.read())
         tok, context_length = self.engine.tok, self.engine.backbone.cfg.context_length
         job = parse_request(body, chat=chat, served=self.model_name, tok=tok, context_length=context_length, session_header=request.headers.get("X-Session-Id"))
         try:
@@ -113,6 +116,9 @@ class Gateway:
                     parts.append(item)
             assert done is not None  # a stream ends with its Finished (or raises)
             return web.json_response(reply.body("".join(parts), done))
+        except asyncio.CancelledError:  # the client disconnected (see the module docstring)
+            log.info("gateway.client_left", path=request.path)
+            raise
         finally:
             stream.cancel()
 

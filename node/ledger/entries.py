@@ -53,6 +53,10 @@ class LedgerError(UsageError):
     """The ledger file is missing, not a ledger, someone else's, or opened read-only for a write."""
 
 
+class LedgerCorrupt(LedgerError):
+    """The SQLite file itself is damaged below the rows (a bad page): reads fail before any entry can be checked."""
+
+
 class EntryError(LedgerError):
     """An entry is malformed or breaks the ledger's rules (chain, signature, status transition)."""
 

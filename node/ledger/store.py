@@ -35,6 +35,7 @@ from node.ledger.entries import (  # noqa: F401  (re-exported: the ledger's publ
     EntryError,
     Event,
     Kind,
+    LedgerCorrupt,
     LedgerError,
     ReplayError,
     Role,
@@ -253,15 +254,25 @@ class Ledger:
         with self._lock:
             return self._state(ref)[0]
 
-    def __len__(self) -> int:
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Under the lock; a damaged file (sqlite's "database disk image is malformed") becomes one LedgerCorrupt
+        line that points to `verify`, which names the first entry it cannot read."""
         with self._lock:
+            try:
+                yield
+            except sqlite3.DatabaseError as exc:
+                raise LedgerCorrupt(f"{self.path} is damaged ({exc}); `moeswarm ledger verify` names the first unreadable entry") from None
+
+    def __len__(self) -> int:
+        with self._reading():
             return self._db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
 
     def rows(self, chunk: int = 1000) -> Iterator[tuple]:
         """Every stored row as it is, in stored order (chunked: the lock is not held between chunks)."""
         last = 0
         while True:
-            with self._lock:
+            with self._reading():
                 got = self._db.execute(f"SELECT rowid, {', '.join(COLUMNS)} FROM entries WHERE rowid > ? ORDER BY rowid LIMIT ?", (last, chunk)).fetchall()
             if not got:
                 return
@@ -309,7 +320,7 @@ class Ledger:
             query += " AND r.created_at_us >= ?"
             args.append(int(since * 1e6))
         acc: dict[str, list[int]] = {}
-        with self._lock:
+        with self._reading():
             for pid, units, price, disputed in self._db.execute(query, args):
                 a = acc.setdefault(pid, [0, 0, 0, 0])
                 a[0] += 1

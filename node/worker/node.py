@@ -34,7 +34,7 @@ from p2p.nat import announced_address
 from p2p.quic import Endpoint
 from p2p.reachability import Verdict
 from p2p.records import HostedSlice, RelayAddress
-from relay.client import RelayClient, attach
+from relay.client import RelaySettings, attach
 
 log = structlog.get_logger("node.backbone.session")
 
@@ -58,6 +58,7 @@ class WorkerOptions:
     reprice_s: float = 60.0
     relay: str | None = None  # ws(s)://HOST:PORT/relay: also reachable through this relay; check reachability
     relay_only: bool = False  # announce the relay address only, skip the check, answer no punch (relay path only)
+    relay_settings: RelaySettings = RelaySettings()  # whom to trust for wss://, how often to ping the relay
     recheck_s: float = 300.0  # with a relay: seconds between reachability re-checks (a change is re-announced)
     drain_timeout: float = 10.0  # on SIGTERM: seconds to finish the dispatches in flight before closing
     dispatch_delay: float = 0.0  # test only: seconds every dispatch waits before computing (holds it in flight)
@@ -119,7 +120,7 @@ class WorkerNode:
         self.ranges = ((store.experts.start, store.experts.stop),)
         self.relay_addr = relay_path = None
         if opts.relay:
-            relay_path = attach(endpoint, RelayClient(identity, opts.relay))
+            relay_path = attach(endpoint, opts.relay_settings.client(identity, opts.relay))
             stack.push_async_callback(relay_path.client.close)
             stack.callback(relay_path.detach)
             relay_path.client.start()

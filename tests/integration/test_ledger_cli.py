@@ -104,3 +104,25 @@ def test_cli_verify_names_the_first_bad_entry_and_errors_are_one_line(tmp_path, 
         err = run_cli("show", "--ledger", str(target))
         assert err.returncode == 2 and message in err.stderr and len(err.stderr.splitlines()) == 1, err
         assert "Traceback" not in err.stderr
+
+
+def test_a_damaged_page_is_one_error_line_for_show_and_export(tmp_path, parties):
+    """Garbage written over the entries table's page of a real ledger file: `show` and `export` print one error
+    line (exit 2, no traceback) that points to `verify`, and `verify` names the entry it cannot read (exit 1)."""
+    backbone, w1, w2 = parties
+    path = tmp_path / "b.sqlite"
+    fill_backbone(path, backbone, w1, w2)
+    con = sqlite3.connect(path)
+    page_size = con.execute("PRAGMA page_size").fetchone()[0]
+    [root] = con.execute("SELECT rootpage FROM sqlite_master WHERE name = 'entries'").fetchone()
+    con.close()
+    assert not Path(f"{path}-wal").exists()  # the last close checkpointed: every entry is in the main file
+    with path.open("r+b") as f:
+        f.seek((root - 1) * page_size + 100)  # past the page header: the cells hold the entries
+        f.write(b"\xde\xad\xbe\xef" * 200)
+    for args in (("show",), ("show", "--json"), ("export", "--format", "jsonl")):
+        err = run_cli(*args, "--ledger", str(path))
+        assert err.returncode == 2 and len(err.stderr.splitlines()) == 1 and not err.stdout, err
+        assert err.stderr.startswith(f"error: {path} is damaged") and "ledger verify" in err.stderr, err
+    bad = run_cli("verify", "--ledger", str(path))
+    assert bad.returncode == 1 and "unreadable" in bad.stdout and "Traceback" not in bad.stderr, bad

@@ -9,6 +9,7 @@ import datetime as dt
 import ipaddress
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -18,20 +19,24 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from experts.embedded import EMBEDDED_MODEL
+from experts.errors import TrustError
 from p2p.identity import Identity, PeerId
 from p2p.quic import Endpoint
-from relay.client import Backoff, RelayClient, attach
+from relay.client import Backoff, RelayClient, RelaySettings, attach
 from relay.protocol import (
     SUBPROTOCOL,
     ClientAuth,
@@ -45,7 +50,7 @@ from relay.protocol import (
 )
 from relay.server import RelayLimits, RelayServer, tls_context
 from relay.session import SessionLimits
-from tests.support import async_until, run_bounded, until
+from tests.support import async_until, moeswarm, run_bounded, until
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
@@ -54,6 +59,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 run = partial(run_bounded, timeout=30.0)
+CLIENT_EVENTS = {"relay.connected", "relay.disconnected", "relay.refused", "relay.connect_failed", "relay.client_failed"}
 
 
 @asynccontextmanager
@@ -436,7 +442,9 @@ def _self_signed(directory: Path) -> tuple[str, str]:
 
 
 def test_tls(tmp_path: Path) -> None:
-    """With a certificate the relay serves https:// health checks and wss:// clients that verify it."""
+    """With a certificate the relay serves https:// health checks and wss:// clients that trust it (given as a
+    context, or as a CA file in RelaySettings); a client with only the system store refuses it for the certificate
+    itself, not for anything else."""
 
     async def scenario() -> None:
         cert, key = _self_signed(tmp_path)
@@ -449,12 +457,123 @@ def test_tls(tmp_path: Path) -> None:
             async with clients(server.url, 2, tls=trust) as [(a, _), (b, b_in)]:
                 a.send(b.peer_id, b"sealed")
                 assert await b_in.get() == (a.peer_id, b"sealed")
-            refused = RelayClient(Identity.generate(), server.url, backoff=FAST)  # system CAs: not ours
-            async with refused:
-                with pytest.raises(TimeoutError):
-                    await refused.wait_connected(0.5)
+                async with RelaySettings(ca_file=Path(cert)).client(Identity.generate(), server.url) as c:
+                    await c.wait_connected(10)
+                    c.send(b.peer_id, b"by CA file")
+                    assert await b_in.get() == (c.peer_id, b"by CA file")
+            with structlog.testing.capture_logs() as logs:
+                async with RelayClient(Identity.generate(), server.url, backoff=FAST) as refused:  # system CAs only
+                    await async_until(lambda: any(e["event"] == "relay.connect_failed" for e in logs))
+                    assert not refused.connected
+            failures = [e for e in logs if e["event"] in CLIENT_EVENTS]
+            assert failures and all(e["event"] == "relay.connect_failed" for e in failures), failures
+            assert all("CERTIFICATE_VERIFY_FAILED" in e["error"] for e in failures), failures
         finally:
             await server.close()
+
+    run(scenario())
+
+
+def test_a_ca_file_that_is_no_certificate_is_refused_in_one_line(tmp_path: Path) -> None:
+    """--relay-ca pointing at something other than a PEM certificate is a TrustError naming the file."""
+    junk = tmp_path / "ca.pem"
+    junk.write_text("not a certificate\n")
+    with pytest.raises(TrustError, match="ca.pem as a relay CA"):
+        RelaySettings(ca_file=junk).tls()
+    result = moeswarm("worker", "--model", str(EMBEDDED_MODEL), "--relay-ca", str(junk), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "ca.pem as a relay CA" in result.stderr, result.stderr
+
+
+@dataclass(frozen=True)
+class RecordingBackoff(Backoff):
+    """The relay client's backoff, noting which attempt number each wait was for."""
+
+    attempts: list[int] = field(default_factory=list)
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        self.attempts.append(attempt)
+        return super().delay(attempt, rng)
+
+
+def test_reconnect_backoff_starts_over_after_an_accepted_connection() -> None:
+    """After an outage of several failed attempts and a reconnection the relay accepted, the next drop waits the
+    first delay again, however short the connection was (not the outage's long one)."""
+
+    async def scenario() -> None:
+        identity = Identity.generate()
+        backoff = RecordingBackoff(first=0.02, cap=0.2, stable_after=math.inf)
+        async with relay(identity) as first:
+            port = first.address[1]
+            async with RelayClient(Identity.generate(), first.url, backoff=backoff) as link:
+                await link.wait_connected(10)
+                await first.close()
+                await async_until(lambda: len(backoff.attempts) >= 5)  # the relay is down: attempts 0, 1, 2, ...
+                assert backoff.attempts[:5] == [0, 1, 2, 3, 4]
+                async with relay(identity, port=port) as second:
+                    await link.wait_connected(10)
+                    before = len(backoff.attempts)
+                    await second.close()  # at once: the connection lasted far less than any stable_after
+                    await async_until(lambda: len(backoff.attempts) > before)
+                    assert backoff.attempts[before] == 0
+
+    run(scenario())
+
+
+@asynccontextmanager
+async def cutting_proxy(upstream: tuple[str, int]) -> AsyncIterator[tuple[int, Callable[[], None]]]:
+    """A TCP forwarder to ``upstream``: its port, and a function that cuts every connection through it (no
+    WebSocket close, no FIN from the relay: what a proxy that dies or restarts does) while it keeps listening."""
+    live: set[asyncio.StreamWriter] = set()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.transport.abort()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*upstream)
+        live.update((writer, up_writer))
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut() -> None:
+        for w in list(live):
+            w.transport.abort()
+        live.clear()
+
+    server = await asyncio.start_server(handle, LOOPBACK, 0)
+    try:
+        yield server.sockets[0].getsockname()[1], cut
+    finally:
+        cut()
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_cut_connection_is_logged_as_lost_and_a_relay_close_as_the_relays() -> None:
+    """A connection cut in between (a proxy) is "lost without a close from the relay", with no connect failure
+    logged when the reconnection succeeds; the relay shutting down is "closed by the relay" with its code."""
+
+    async def scenario() -> None:
+        async with relay() as server, cutting_proxy(server.address) as (port, cut):
+            url = f"ws://{LOOPBACK}:{port}/relay"
+            with structlog.testing.capture_logs() as logs:
+                async with RelayClient(Identity.generate(), url, backoff=FAST) as link:
+                    await link.wait_connected(10)
+                    cut()
+                    await async_until(lambda: sum(e["event"] == "relay.connected" for e in logs) == 2)
+                    await server.close()
+                    await async_until(lambda: sum(e["event"] == "relay.disconnected" for e in logs) == 2)
+        events = [e for e in logs if e["event"] in CLIENT_EVENTS]
+        names = [e["event"] for e in events]
+        assert names[:4] == ["relay.connected", "relay.disconnected", "relay.connected", "relay.disconnected"], names
+        assert events[1]["reason"].startswith("connection lost without a close from the relay"), events[1]
+        assert events[3]["reason"] == "closed by the relay (code 1001)", events[3]
+        assert not [e for e in events if e["event"] == "relay.client_failed"]
 
     run(scenario())
 
