@@ -70,3 +70,27 @@ def test_a_draining_worker_refuses_new_requests_and_answers_those_in_flight(mode
     assert in_flight == 1 and after == 0
     assert isinstance(refused, wire.ErrorReply) and refused.code is wire.ErrorCode.DRAINING
     assert isinstance(answered, wire.DispatchReply) and answered.n_tokens == 1
+
+
+@pytest.mark.parametrize("why", ["kernel", "budget"])
+def test_a_worker_that_cannot_serve_exactly_refuses_to_start(model_dir, tmp_path, monkeypatch, why):
+    """A kernel whose rows vary with the batch (a test double), or experts over the memory budget: WorkerNode
+    raises the one-line error before binding a socket or announcing anything, and ends CLOSED."""
+    from experts.errors import KernelError, SliceError
+    from experts.kernels import choose
+    from node.worker.node import WorkerNode, WorkerOptions
+    from tests.doubles.kernels import VaryingKernel
+
+    monkeypatch.setitem(choose.KERNELS, "varying", lambda threads: VaryingKernel(batch=8))
+    model = GGUFModel(make_model(model_dir, "qwen3moe"))
+    opts = WorkerOptions(model=model.path, layers=None, experts=None, listen=("127.0.0.1", 0), dht_listen="127.0.0.1:0", bootstrap=(),
+                         kernel="varying" if why == "kernel" else "ggml", memory_budget=1024 if why == "budget" else None)
+    node = WorkerNode(Identity.generate(), opts)
+
+    async def main():
+        async with node:
+            pass
+
+    with pytest.raises(KernelError if why == "kernel" else SliceError, match="varying-double|memory budget of 0.0 MB"):
+        asyncio.run(main())
+    assert node.lifecycle.state is State.CLOSED and not hasattr(node, "endpoint")
