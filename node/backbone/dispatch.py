@@ -87,6 +87,7 @@ class DispatchRecord:
     bytes_back: int
     latency_ms: float
     ok: bool
+    worker_ms: float = 0.0  # the worker's own time for it (decode, compute, encode, sign), from its reply
     at: float = field(default_factory=time.monotonic)
 
 
@@ -128,6 +129,7 @@ class DispatchStats:
                 "back": round(sum(r.bytes_back for r in ok) / visits, 1),
             },
             "rtt_ms": {"p50": round(float(np.percentile(lat, 50)), 3), "p99": round(float(np.percentile(lat, 99)), 3)},
+            "worker_ms_p50": _p50([r.worker_ms for r in ok]) if ok else 0.0,
             "rtt_ms_by_peer": {peer: _p50([r.latency_ms for r in ok if r.peer == peer]) for peer in per_peer},
             "layer_ms": self.layer_summary(),
         }
@@ -267,7 +269,7 @@ class RemoteMoE:
         data = req.encode()
         self.router.started(host.peer_id)
         t0 = time.perf_counter()
-        ok, reply_len, path, refused = False, 0, host.path, False
+        ok, reply_len, path, refused, worker_ms = False, 0, host.path, False, 0.0
         try:
             try:
                 reply = await self.connector.request(host.peer_id, host.addr, host.relay, data, timeout=self.timeout)
@@ -291,11 +293,11 @@ class RemoteMoE:
             if not np.isfinite(sums).all():
                 raise DispatchFailed("partial sums are not finite")
             receipt, stamp = await self._check_receipt(host, req, data, msg, path)
-            ok = True
+            ok, worker_ms = True, msg.compute_us / 1e3
         finally:
             latency = (time.perf_counter() - t0) * 1e3
             if not refused:  # a draining host's refusal is no dispatch: it did no work, the group goes elsewhere
-                self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok))
+                self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok, worker_ms))
             log.info("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
         compute_ms = msg.compute_us / 1e3
         self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0))

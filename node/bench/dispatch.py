@@ -24,6 +24,21 @@ from node.launcher import Cluster
 from p2p.identity import Identity
 
 
+def gap_breakdown(local_tps: float, remote_tps: float, stats: dict, n_layer: int) -> dict:
+    """Where the remote path's extra time per token goes: the round trip minus the worker's own time is transport
+    (QUIC, the thread hops between the forward and the event loop, framing); the worker's time minus the same compute
+    done locally is its decode/encode/sign and queueing."""
+    per_token = 1e3 / remote_tps - 1e3 / local_tps
+    rtt, worker = stats["rtt_ms"]["p50"], stats["worker_ms_p50"]
+    return {
+        "ms_per_token": round(per_token, 3),
+        "ms_per_layer": round(per_token / n_layer, 3),
+        "round_trip_ms_p50": rtt,
+        "worker_ms_p50": worker,
+        "transport_ms_p50": round(rtt - worker, 3),
+    }
+
+
 def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: int, rounds: int) -> dict:
     """Rounds alternate local / remote without ledgers / remote with ledgers; medians of tokens/s."""
     cfg = random_config(**{**REFERENCE, "n_layer": n_layer, "n_expert": n_expert})
@@ -84,5 +99,6 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
         "ledger": {"remote_tokens_s_without": round(remote_tps, 3), "remote_tokens_s_with": round(ledger_tps, 3), "cost_pct": round(100 * (1 - ledger_tps / remote_tps), 2)},
         "identical": all(t == local[0][0] for t, _ in local + remote + remote_ledger),
         "rtt_ms": stats["rtt_ms"],
+        "gap": gap_breakdown(local_tps, remote_tps, stats, n_layer),
     }
     return result
