@@ -103,12 +103,12 @@ def child_memory_cgroup(name: str) -> Iterator[MemoryCgroup]:
     """A fresh child of this process's memory cgroup, removed (its processes killed) on exit."""
     parent = own_memory_cgroup()
     if parent.version == 2:
-        controllers = (parent.path / "cgroup.subtree_control").read_text().split()
-        if "memory" not in controllers:
-            try:  # refused (EBUSY) if the parent holds processes itself: the v2 "no internal processes" rule
-                (parent.path / "cgroup.subtree_control").write_text("+memory")
-            except OSError as exc:
-                raise CgroupUnavailable(f"cannot enable the memory controller for children of {parent.path}: {exc}") from None
+        control = parent.path / "cgroup.subtree_control"
+        try:  # refused (EBUSY) if the parent holds processes itself: the v2 "no internal processes" rule
+            if "memory" not in control.read_text().split():
+                control.write_text("+memory")
+        except OSError as exc:
+            raise CgroupUnavailable(f"cannot enable the memory controller for children of {parent.path}: {exc}") from None
     path = parent.path / f"{name}-{uuid.uuid4().hex[:8]}"
     try:
         path.mkdir()
