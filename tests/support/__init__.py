@@ -1,5 +1,5 @@
 """Shared test helpers: wait on a condition (never a fixed sleep), a hand-moved clock, `moeswarm` processes, and
-an in-memory datagram network (:mod:`tests.support.simnet`, imported by name).
+an in-memory datagram network (:mod:`tests.support.simnet`) and memory cgroups (:mod:`tests.support.cgroups`), both imported by name.
 
 Re-exported here so tests write ``from tests.support import until, FakeClock``; each lives in a small module named
 for what it holds.
