@@ -7,6 +7,7 @@ model's layers up in the DHT every ``refresh_s`` seconds, so a page or a scrape 
 - ``GET /healthz``: 200 while the process runs its event loop (liveness).
 - ``GET /readyz``: 200 ``ready``, or 503 with the reason (loading, waiting for hosts, a layer lacking hosts, draining).
 - ``GET /metrics``: Prometheus text format (:mod:`node.status.metrics`).
+- ``GET /status`` and ``/status.json``: the swarm as this node sees it (:mod:`node.status.page`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from node.ledger.store import Ledger, LedgerError
 from node.status import errors
 from node.status.coverage import Coverage, Phase, Seen, build_coverage, readiness
 from node.status.metrics import LedgerTotals, NodeCollector, exposition, registry_for
+from node.status.page import render
 
 log = structlog.get_logger("node.status")
 REFRESH_S = 5.0
@@ -144,7 +146,13 @@ def add_routes(app: web.Application, status: NodeStatus) -> None:
             status.collector.ledger = await asyncio.to_thread(ledger_totals, status.ledger_path)
         return web.Response(body=exposition(status.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics)])
+    async def status_json(request: web.Request) -> web.Response:
+        return web.json_response(status.snapshot())
+
+    async def status_page(request: web.Request) -> web.Response:
+        return web.Response(text=render(status.snapshot(), status.refresh_s), content_type="text/html")
+
+    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics), web.get("/status.json", status_json), web.get("/status", status_page)])
 
 
 async def start_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, tuple[str, int]]:

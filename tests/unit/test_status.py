@@ -1,4 +1,4 @@
-"""The status core without sockets: coverage map, readiness, metrics exposition and the HTTP routes."""
+"""The status core without sockets: coverage map, readiness, metrics exposition, the page, and the HTTP routes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from node.backbone.dispatch import DispatchRecord, DispatchStats
 from node.status.coverage import Phase, Seen, build_coverage, readiness
 from node.status.metrics import RecordTail
+from node.status.page import render
 from node.status.server import ModelShape, NodeStatus, add_routes
 from p2p.identity import Identity
 from p2p.pathkind import Path
@@ -103,6 +104,17 @@ def test_worker_and_relay_metrics_read_their_counters():
     assert [(s.labels, s.value) for s in r["moeswarm_relay_dropped"] if s.name.endswith("_total")] == [({"reason": "queue_full"}, 2)]
 
 
+def test_page_escapes_what_peers_announce_and_refreshes_itself():
+    """Record fields are peer-controlled: the page escapes them; the meta refresh carries the interval."""
+    cov = build_coverage(DIGEST, 1, 32, {0: [record(A, 0, ((0, 32),), quic="<b>x</b>:1")]}, 0.0)
+    status = NodeStatus("bootstrap", "me", phase=Phase.SERVING, refresh_s=3)
+    status.coverage = cov
+    html = render(status.snapshot(), 3)
+    assert '<meta http-equiv="refresh" content="3">' in html
+    assert "<b>x</b>" not in html and "&lt;b&gt;x&lt;/b&gt;" in html
+    assert f'data-peer="{A.peer_id}"' in html and 'data-layer="0" data-experts="0-31"' in html
+
+
 def _get(app, *steps) -> list[tuple[int, str]]:
     """GET each path in *steps* (a callable among them runs in between), on one test server."""
 
@@ -120,13 +132,13 @@ def _get(app, *steps) -> list[tuple[int, str]]:
     return asyncio.run(scenario())
 
 
-def test_routes_answer_liveness_and_readiness():
+def test_routes_answer_liveness_readiness_and_the_page():
     """/healthz is 200 at once; /readyz is 503 with the reason until the node serves, then 200."""
     from aiohttp import web
 
     status = NodeStatus("worker", "me", phase=Phase.LOADING, model=ModelShape(DIGEST, 1, 32))
     app = web.Application()
     add_routes(app, status)
-    (h, _), (r, why), after = _get(app, "/healthz", "/readyz", lambda: setattr(status, "phase", Phase.SERVING), "/readyz")
-    assert (h, r) == (200, 503) and "loading" in why
+    (h, _), (r, why), (s, page), (j, _), after = _get(app, "/healthz", "/readyz", "/status", "/status.json", lambda: setattr(status, "phase", Phase.SERVING), "/readyz")
+    assert (h, r, s, j) == (200, 503, 200, 200) and "loading" in why and "<table id=node>" in page
     assert after == (200, "ready\n")
