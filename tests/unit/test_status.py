@@ -10,6 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.backbone.dispatch import DispatchRecord, DispatchStats
+from node.gateway.server import Gateway
 from node.status.coverage import Phase, Seen, build_coverage, readiness
 from node.status.metrics import RecordTail
 from node.status.page import render
@@ -142,3 +143,12 @@ def test_routes_answer_liveness_readiness_and_the_page():
     (h, _), (r, why), (s, page), (j, _), after = _get(app, "/healthz", "/readyz", "/status", "/status.json", lambda: setattr(status, "phase", Phase.SERVING), "/readyz")
     assert (h, r, s, j) == (200, 503, 200, 200) and "loading" in why and "<table id=node>" in page
     assert after == (200, "ready\n")
+
+
+def test_gateway_answers_503_until_it_has_an_engine():
+    """Before attach(), /v1 requests get 503 with the readiness reason, and /readyz says the same."""
+    status = NodeStatus("gateway", "me", phase=Phase.WAITING, needs_swarm=True)
+    gateway = Gateway(None, "tiny", "0" * 64, status)
+    (v1, body), (ready, why) = _get(gateway.app, "/v1/stats", "/readyz")
+    assert v1 == 503 and "waiting for hosts" in body and "not_ready" in body
+    assert ready == 503 and "waiting for hosts" in why
