@@ -62,6 +62,7 @@ class Histogram:
 @dataclass(frozen=True)
 class LedgerTotals:
     entries: int
+    receipts: int  # dispatches recorded (one receipt each), disputed ones included
     work_units: int
     credits: int
 
@@ -120,6 +121,7 @@ class NodeCollector(Collector):
             yield hosts
         if self.ledger is not None:
             yield GaugeMetricFamily("moeswarm_ledger_entries", "Entries in this node's ledger.", value=self.ledger.entries)
+            yield GaugeMetricFamily("moeswarm_ledger_receipts", "Dispatches with a receipt in this node's ledger.", value=self.ledger.receipts)
             yield GaugeMetricFamily("moeswarm_ledger_work_units", "Undisputed work units recorded (a work unit: one FLOP of expert compute, 6 x n_embd x n_ff per token and expert).", value=self.ledger.work_units)
             yield GaugeMetricFamily("moeswarm_ledger_credits", "Undisputed credits recorded (work units x the price per work unit).", value=self.ledger.credits)
 

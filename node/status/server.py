@@ -128,7 +128,7 @@ def ledger_totals(path: Path) -> LedgerTotals | None:
     try:
         with Ledger(path) as ledger:
             totals = ledger.totals()
-            return LedgerTotals(len(ledger), sum(t.work_units for t in totals), sum(t.credits for t in totals))
+            return LedgerTotals(len(ledger), sum(t.dispatches for t in totals), sum(t.work_units for t in totals), sum(t.credits for t in totals))
     except LedgerError:
         return None
 
