@@ -56,7 +56,12 @@ def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ..
     http = parse_hostport(http_addr) if http_addr else None
     shape = model_shape(GGUFModel(model_path)) if model_path else None
     ident = load_identity(node_dir(data_dir, "bootstrap"))
-    asyncio.run(run_bootstrap_node(ident, listen, bootstrap, ready_file, quic, http=http, model=shape))
+    asyncio.run(run_bootstrap_node(ident, listen, bootstrap, ready_file, quic, http=http, model=shape, on_ready=_print_bootstrap))
+
+
+def _print_bootstrap(addrs: list[str]) -> None:
+    """The one line a bootstrap's operator needs at the default log level: what to give the other nodes."""
+    click.echo(f"bootstrap serving; join with: --bootstrap {addrs[0]}" if addrs else "bootstrap serving, but libp2p reports no listen address")
 
 
 @click.command("worker")
