@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
 from node.runtime import parse_hostport, until_stopped, write_ready
+from node.status.coverage import Phase
+from node.status.server import ModelShape, NodeStatus, serve_status
 from p2p.dht import LibP2PDiscovery
 from p2p.helpers import serve_helper
 from p2p.identity import Identity
@@ -15,12 +17,20 @@ from p2p.identity import Identity
 log = structlog.get_logger("node.backbone.session")
 
 
-async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequence[str], ready_file: str | None, quic_listen: tuple[str, int] | None = None) -> None:
-    """A DHT server that is also a reachability helper on UDP ``quic_listen`` (default: --listen's host and port)."""
+async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequence[str], ready_file: str | None, quic_listen: tuple[str, int] | None = None, *, http: tuple[str, int] | None = None, model: ModelShape | None = None, on_ready: Callable[[list[str]], None] | None = None) -> None:
+    """A DHT server that is also a reachability helper on UDP ``quic_listen`` (default: --listen's host and port).
+
+    With ``http``, it serves its status there; told a *model*, the page maps that model's hosts and ``/readyz``
+    stays 503 while a layer lacks them (a supervisor can wait on the bootstrap for a whole swarm). ``on_ready``
+    gets the DHT multiaddrs once they serve (the CLI prints the one to hand out)."""
     host, port = quic_listen or parse_hostport(listen)
-    async with LibP2PDiscovery(identity, listen=listen, bootstrap=bootstrap) as node, serve_helper(identity, node, host, port) as quic:
-        write_ready(ready_file, {"role": "bootstrap", "peer_id": str(identity.peer_id), "dht_addrs": node.multiaddrs, "quic_addr": quic})
+    status = NodeStatus("bootstrap", str(identity.peer_id), model=model, needs_swarm=model is not None)
+    async with serve_status(http, status), LibP2PDiscovery(identity, listen=listen, bootstrap=bootstrap) as node, serve_helper(identity, node, host, port) as quic:
+        status.discovery = node
+        status.info = {"addresses": " ".join(node.multiaddrs)}
+        status.phase = Phase.SERVING
+        write_ready(ready_file, {"role": "bootstrap", "peer_id": str(identity.peer_id), "dht_addrs": node.multiaddrs, "quic_addr": quic, "http_addr": status.http_addr})
         log.info("bootstrap.ready", addrs=node.multiaddrs, quic=quic)
+        if on_ready is not None:
+            on_ready(node.multiaddrs)
         await until_stopped()
-
-

@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from node.status.errors import remember_errors
+
 
 def configure_logging(level: str = "warning", *, json_logs: bool = False) -> None:
     """Route structlog (and stdlib loggers such as libp2p's) to stderr at *level*."""
@@ -17,6 +19,7 @@ def configure_logging(level: str = "warning", *, json_logs: bool = False) -> Non
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
+            remember_errors,  # the status page's "recent errors"
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             *renderer,
         ],

@@ -42,6 +42,7 @@ def open_kernel(name: str, threads: int | None):
 
 bootstrap_opt = click.option("--bootstrap", "bootstrap", multiple=True, help="DHT bootstrap multiaddr /ip4/H/tcp/P/p2p/ID (repeatable).")
 data_dir_opt = click.option("--data-dir", default=None, help="Where this node keeps its key (default ~/.moeswarm/ROLE).")
+http_opt = click.option("--http", "http_addr", default=None, help="HOST:PORT for /healthz, /readyz, /metrics and the /status page (port 0: any free port; default: no HTTP).")
 ready_opt = click.option("--ready-file", default=None, help="Write a JSON line with this node's addresses once it serves.")
 
 

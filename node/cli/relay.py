@@ -7,9 +7,12 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import click
 
+from node.cli.options import http_opt
 from node.cli.root import emit_json
 from node.runtime import data_dir as node_dir
 from node.runtime import load_identity, parse_hostport, until_stopped, write_ready
+from node.status.coverage import Phase
+from node.status.server import NodeStatus, serve_status
 from p2p.identity import Identity
 from relay.server import RelayServer, run_relay
 
@@ -25,9 +28,10 @@ _PEM = click.Path(exists=True, dir_okay=False)
 @click.option("--bootstrap", multiple=True, help="DHT bootstrap multiaddr (repeatable): also serve as a reachability helper, announced in the DHT.")
 @click.option("--quic-listen", default=None, help="With --bootstrap: UDP HOST:PORT answering reachability probes (default: the --listen host and port number, over UDP).")
 @click.option("--dht-listen", default=None, help="With --bootstrap: TCP HOST:PORT for the DHT client (default: the --listen host, port 0).")
+@http_opt
 def relay_cmd(
     listen: str, tls_cert: str | None, tls_key: str | None, data_dir: str | None, ready_file: str | None,
-    bootstrap: tuple[str, ...], quic_listen: str | None, dht_listen: str | None,
+    bootstrap: tuple[str, ...], quic_listen: str | None, dht_listen: str | None, http_addr: str | None,
 ) -> None:
     """Relay packets between peers that cannot reach each other directly, until Ctrl-C."""
     host, port = parse_hostport(listen)
@@ -40,12 +44,21 @@ def relay_cmd(
         quic = parse_hostport(quic_listen) if quic_listen else (host, port)
         helper = (bootstrap, quic, dht_listen or f"{f'[{host}]' if ':' in host else host}:0")
     ident = load_identity(node_dir(data_dir, "relay"))
-    asyncio.run(_serve(ident, host, port, tls_cert, tls_key, ready_file, helper))
+    asyncio.run(_serve(ident, host, port, tls_cert, tls_key, ready_file, helper, parse_hostport(http_addr) if http_addr else None))
 
 
 async def _serve(
     ident: Identity, host: str, port: int, tls_cert: str | None, tls_key: str | None, ready_file: str | None,
-    helper: tuple[tuple[str, ...], tuple[str, int], str] | None,
+    helper: tuple[tuple[str, ...], tuple[str, int], str] | None, http: tuple[str, int] | None,
+) -> None:
+    status = NodeStatus("relay", str(ident.peer_id))
+    async with serve_status(http, status):
+        await _relay(ident, host, port, tls_cert, tls_key, ready_file, helper, status)
+
+
+async def _relay(
+    ident: Identity, host: str, port: int, tls_cert: str | None, tls_key: str | None, ready_file: str | None,
+    helper: tuple[tuple[str, ...], tuple[str, int], str] | None, status: NodeStatus,
 ) -> None:
     ready: asyncio.Future[RelayServer] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(run_relay(ident, host, port, tls_cert=tls_cert, tls_key=tls_key, ready=ready))
@@ -56,7 +69,8 @@ async def _serve(
         except OSError as exc:
             raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
     server = ready.result()
-    info = {"url": server.url, "peer_id": str(server.peer_id)}
+    status.relay, status.info, status.phase = server, {"addresses": server.url}, Phase.SERVING
+    info = {"url": server.url, "peer_id": str(server.peer_id), **({"http_addr": status.http_addr} if status.http_addr else {})}
     try:
         async with AsyncExitStack() as stack:
             if helper is not None:

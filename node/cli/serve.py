@@ -21,6 +21,8 @@ from node.gateway.server import Gateway
 from node.ledger.store import FILENAME
 from node.runtime import data_dir as node_dir
 from node.runtime import load_identity, parse_hostport, until_stopped, write_ready
+from node.status.coverage import Phase
+from node.status.server import NodeStatus, model_shape, url_of, watching
 from node.verdicts import default_wire
 from p2p.identity import Identity
 
@@ -34,6 +36,7 @@ log = structlog.get_logger("node.cli.serve")
 @click.option("--served-model-name", default=None, help="Model id clients must ask for (default: the GGUF file's name without .gguf).")
 @click.option("--wire", default="auto", show_default=True, type=click.Choice(["auto", "f32", "f16", "int8"]), help="auto: f16 once `moeswarm verify --wire f16` passed for the model, else f32.")
 @click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts before serving.")
+@click.option("--wait-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0), help="Seconds to wait for those hosts (meanwhile /v1 and /readyz answer 503) before giving up.")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256), help="Sequences decoded concurrently (their MoE layers share dispatches).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0), help="Requests that may wait for a slot; more get HTTP 429.")
 @click.option("--batch-window-ms", default=DEFAULT_WINDOW_S * 1e3, show_default=True, type=click.FloatRange(0), help="A layer's batch goes without the sequences still computing once none has arrived for this long.")
@@ -50,7 +53,7 @@ log = structlog.get_logger("node.cli.serve")
 @relay_opts
 @data_dir_opt
 @ready_opt
-def serve_cmd(model_path, bootstrap, http_addr, served_model_name, wire, wait_hosts, max_batch, max_queue, batch_window_ms, prefix_cache, no_speculative, timeout, listen, dht_listen, max_datagram, spot_check, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
+def serve_cmd(model_path, bootstrap, http_addr, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, no_speculative, timeout, listen, dht_listen, max_datagram, spot_check, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
     """Serve /v1/completions and /v1/chat/completions, batching concurrent requests' dispatches."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
@@ -58,25 +61,35 @@ def serve_cmd(model_path, bootstrap, http_addr, served_model_name, wire, wait_ho
     session = dict(codec=codec, timeout=timeout, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=spot_check, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME, relay=relay_settings(relay_ca, relay_keepalive))
     cache_bytes = parse_size(prefix_cache) if prefix_cache not in ("0", "") else 0
     options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative)
-    asyncio.run(serve(load_identity(home), model, bootstrap, parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), wait_hosts, session, options, ready_file))
+    asyncio.run(serve(load_identity(home), model, bootstrap, parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), session, options, ready_file))
 
 
-async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str, int], name: str, wait_hosts: int, session: dict, options: dict, ready_file: str | None) -> None:
-    """Find the workers, then serve HTTP on this loop until SIGINT/SIGTERM."""
-    tok = Tokenizer.from_spec(model.tokenizer_spec)
-    backbone = Backbone(model, session["kernel"])
-    async with backbone_session(identity, model, bootstrap, **session) as remote:
-        await wait_for_hosts(remote, model.moe_layers, wait_hosts, 60)
-        moe = BatchingMoE(remote, model.cfg.n_layer, asyncio.get_running_loop(), window_s=options["window_s"])
-        cache = PrefixCache(options["prefix_bytes"]) if options["prefix_bytes"] else None
-        engine = Engine(backbone, tok, moe, max_batch=options["max_batch"], max_queue=options["max_queue"], prefix_cache=cache, speculative=options["speculative"])
-        gateway = Gateway(engine, name, model.digest)
-        host, port = await gateway.start(*http)
-        try:
-            url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
-            log.info("gateway.ready", url=url, model=name, max_batch=options["max_batch"])
-            write_ready(ready_file, {"role": "gateway", "peer_id": str(identity.peer_id), "http_addr": f"{host}:{port}", "base_url": url, "model": name})
-            await until_stopped()
-        finally:
-            await gateway.close()
-            await asyncio.to_thread(engine.close)
+async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str, int], name: str, wait: tuple[int, float], session: dict, options: dict, ready_file: str | None) -> None:
+    """Bind HTTP at once (503 until ready), find the workers, then serve on this loop until SIGINT/SIGTERM."""
+    status = NodeStatus("gateway", str(identity.peer_id), phase=Phase.LOADING, model=model_shape(model), needs_swarm=True, ledger_path=session["ledger_path"])
+    gateway = Gateway(None, name, model.digest, status)
+    host, port = await gateway.start(*http)
+    status.http_addr = f"{host}:{port}"
+    url = url_of(host, port) + "/v1"
+    log.info("gateway.listening", http_addr=status.http_addr, status=url_of(host, port) + "/status")
+    try:
+        tok = Tokenizer.from_spec(model.tokenizer_spec)
+        backbone = await asyncio.to_thread(Backbone, model, session["kernel"])  # the loop keeps answering /readyz meanwhile
+        async with backbone_session(identity, model, bootstrap, **session) as remote, watching(status):
+            status.remote, status.discovery, status.phase = remote, remote.discovery, Phase.WAITING
+            await wait_for_hosts(remote, model.moe_layers, *wait)
+            await status.refresh()  # /readyz judges the coverage it has now, not the empty map of the wait
+            moe = BatchingMoE(remote, model.cfg.n_layer, asyncio.get_running_loop(), window_s=options["window_s"])
+            cache = PrefixCache(options["prefix_bytes"]) if options["prefix_bytes"] else None
+            engine = Engine(backbone, tok, moe, max_batch=options["max_batch"], max_queue=options["max_queue"], prefix_cache=cache, speculative=options["speculative"])
+            gateway.attach(engine)
+            status.phase = Phase.SERVING
+            try:
+                log.info("gateway.ready", url=url, model=name, max_batch=options["max_batch"])
+                write_ready(ready_file, {"role": "gateway", "peer_id": str(identity.peer_id), "http_addr": status.http_addr, "base_url": url, "model": name})
+                await until_stopped()
+            finally:
+                status.phase = Phase.DRAINING
+                await asyncio.to_thread(engine.close)
+    finally:
+        await gateway.close()

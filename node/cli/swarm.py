@@ -15,12 +15,13 @@ from experts.slices import parse_range
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bootstrap import run_bootstrap_node
-from node.cli.options import bootstrap_opt, data_dir_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, thread_count
+from node.cli.options import bootstrap_opt, data_dir_opt, http_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, thread_count
 from node.cli.root import LazyGroup, emit_json
 from node.cli.streaming import stream_tokens
 from node.ledger.store import FILENAME
 from node.runtime import data_dir as node_dir
 from node.runtime import load_identity, parse_hostport
+from node.status.server import model_shape
 from node.verdicts import default_wire
 from node.worker.node import WorkerOptions, run_worker
 from p2p.records import MalformedRecord, check_quic_addr, check_relay_url
@@ -44,14 +45,23 @@ def _record_field(check):
 @click.option("--listen", default="127.0.0.1:4001", show_default=True, help="TCP HOST:PORT for the DHT.")
 @click.option("--quic-listen", default=None, help="UDP HOST:PORT where this node answers reachability probes and which it announces as a helper (default: the --listen host and port number, over UDP; a wildcard host is not announced).")
 @bootstrap_opt
+@http_opt
+@click.option("--model", "model_path", default=None, help="With --http: the model GGUF whose coverage (hosts per layer and expert range) the status page shows.")
 @data_dir_opt
 @ready_opt
-def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ...], data_dir: str | None, ready_file: str | None) -> None:
+def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ...], http_addr: str | None, model_path: str | None, data_dir: str | None, ready_file: str | None) -> None:
     """Run a DHT bootstrap node (also a reachability helper for NAT detection)."""
     parse_hostport(listen)
     quic = parse_hostport(quic_listen) if quic_listen else None
+    http = parse_hostport(http_addr) if http_addr else None
+    shape = model_shape(GGUFModel(model_path)) if model_path else None
     ident = load_identity(node_dir(data_dir, "bootstrap"))
-    asyncio.run(run_bootstrap_node(ident, listen, bootstrap, ready_file, quic))
+    asyncio.run(run_bootstrap_node(ident, listen, bootstrap, ready_file, quic, http=http, model=shape, on_ready=_print_bootstrap))
+
+
+def _print_bootstrap(addrs: list[str]) -> None:
+    """The one line a bootstrap's operator needs at the default log level: what to give the other nodes."""
+    click.echo(f"bootstrap serving; join with: --bootstrap {addrs[0]}" if addrs else "bootstrap serving, but libp2p reports no listen address")
 
 
 @click.command("worker")
@@ -76,9 +86,10 @@ def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ..
 @click.option("--dispatch-delay", default=0.0, hidden=True, type=click.FloatRange(min=0), help="Test only: seconds every dispatch waits before computing.")
 @click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay).")
 @relay_opts
+@http_opt
 @data_dir_opt
 @ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, relay_ca, relay_keepalive, http_addr, data_dir, ready_file) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
@@ -111,7 +122,7 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         raise click.UsageError("--relay-only needs --relay URL")
     home = node_dir(data_dir, "worker")
     ident = load_identity(home)
-    asyncio.run(run_worker(ident, opts, ready_file, None if no_ledger else home / FILENAME))
+    asyncio.run(run_worker(ident, opts, ready_file, None if no_ledger else home / FILENAME, http=parse_hostport(http_addr) if http_addr else None))
 
 
 @click.group("backbone", cls=LazyGroup, lazy_subcommands={"generate": "node.cli.swarm:generate_cmd", "serve": "node.cli.serve:serve_cmd"})

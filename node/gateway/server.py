@@ -11,12 +11,15 @@ A client that disconnects cancels its request's handler (aiohttp's ``handler_can
 the handler's ``finally`` cancels the sequence, which stops after its current token, for a
 streamed response and for a plain one alike (a plain one never writes before it is done,
 so only the cancellation can tell it the client left).
+
+The gateway binds its port before the swarm is found: until :meth:`Gateway.attach` hands it the engine, every
+``/v1`` request gets 503 with the reason, and ``/healthz``, ``/readyz``, ``/metrics`` and ``/status``
+(:mod:`node.status.server`) answer from the start, so a supervisor tells "starting" from "dead".
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import structlog
@@ -25,15 +28,17 @@ from aiohttp import web
 from node.backbone.dispatch import RemoteMoE
 from node.gateway.engine import Engine, QueueFull, Stream
 from node.gateway.openai import INTERNAL_ERROR, ApiError, Finished, Reply, check_model, model_card, parse_body, parse_request, sse
+from node.status.server import NodeStatus, add_routes, start_app
 
 log = structlog.get_logger("node.gateway.server")
 
 
 class Gateway:
-    """The aiohttp application around an :class:`Engine`."""
+    """The aiohttp application around an :class:`Engine` (given now, or later with :meth:`attach`)."""
 
-    def __init__(self, engine: Engine, model_name: str, model_digest: str) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine | None, model_name: str, model_digest: str, status: NodeStatus | None = None) -> None:
+        self._engine = engine
+        self.status = status
         self.model_name = model_name
         self.fingerprint = "fp_" + model_digest[:12]
         self.created = int(time.time())
@@ -45,17 +50,25 @@ class Gateway:
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/stats", self.stats),
         ])
+        if status is not None:
+            add_routes(self.app, status)
         self._runner: web.AppRunner | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine; before :meth:`attach`, a 503 saying why there is none yet."""
+        if self._engine is None:
+            reason = self.status.not_ready() if self.status else None
+            raise ApiError(503, f"the gateway is not ready yet: {reason or 'starting'}", code="not_ready", type="server_error")
+        return self._engine
+
+    def attach(self, engine: Engine) -> None:
+        self._engine = engine
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Serve on host:port (0: any free port) on the running loop; returns the bound address."""
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
-        await self._runner.setup()
-        await web.SockSite(self._runner, sock, shutdown_timeout=2.0).start()
-        return host, sock.getsockname()[1]
+        self._runner, addr = await start_app(self.app, host, port, handler_cancellation=True)
+        return addr
 
     async def close(self) -> None:
         if self._runner is not None:

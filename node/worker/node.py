@@ -25,6 +25,8 @@ from experts.slices import check_slice
 from node.backbone.routing import scarcity_price
 from node.ledger.sink import LedgerSink
 from node.runtime import until_stopped, write_ready
+from node.status.coverage import Phase
+from node.status.server import NodeStatus, model_shape, serve_status
 from node.worker.lifecycle import Lifecycle, State
 from node.worker.service import Worker
 from p2p.dht import LibP2PDiscovery
@@ -239,10 +241,15 @@ class WorkerNode:
         log.info("worker.closed", peer=str(self.identity.peer_id))
 
 
-async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None) -> None:
+async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None, *, http: tuple[str, int] | None = None) -> None:
     """Load the slice, serve dispatches, announce until SIGINT/SIGTERM, then drain and close (a second signal
     during the drain ends the process at once: the handlers are gone by then)."""
-    async with WorkerNode(identity, opts, ledger_path) as node:
-        write_ready(ready_file, node.ready_info())
+    status = NodeStatus("worker", str(identity.peer_id), phase=Phase.LOADING, ledger_path=ledger_path)
+    async with serve_status(http, status), WorkerNode(identity, opts, ledger_path) as node:
+        status.worker, status.discovery, status.model = node.worker, node.dht, model_shape(node.model)
+        status.info = {"addresses": f"quic {node.addr or '-'}" + (f", relay {opts.relay}" if opts.relay else "") + f" ({node.reachability})", "slices": f"layers {node.store.layers.start}-{node.store.layers.stop - 1}, experts {node.store.experts.start}-{node.store.experts.stop - 1}"}
+        status.phase = Phase.SERVING
+        write_ready(ready_file, {**node.ready_info(), "http_addr": status.http_addr})
         await until_stopped()
+        status.phase = Phase.DRAINING
         await node.drain()

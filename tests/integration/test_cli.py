@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 
 import pytest
 
-from tests.support import moeswarm
+from p2p.identity import Identity
+from tests.support import MOESWARM, moeswarm
 
 from ..conftest import make_model
 
@@ -79,3 +82,18 @@ def test_key_file_readable_by_others(tmp_path):
     key.write_text("not a key")
     key.chmod(0o644)
     assert_one_line_error(run("relay", "--data-dir", str(key.parent)), "chmod 600")
+
+
+def test_bootstrap_prints_the_multiaddr_to_hand_out(tmp_path):
+    """At the default log level `moeswarm bootstrap` prints one stdout line with its /p2p/ multiaddr, and only that."""
+    proc = subprocess.Popen([*MOESWARM, "bootstrap", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+    peer = Identity.load_or_create(tmp_path / "key.pem").peer_id
+    assert re.fullmatch(rf"bootstrap serving; join with: --bootstrap /ip4/127\.0\.0\.1/tcp/\d+/p2p/{peer}\n", line), line
+    assert rest == ""
