@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -54,3 +55,14 @@ def test_swarm_with_a_slice_file_generates_the_local_tokens(model_dir, tmp_path,
     local = list(generate(bb, PROMPT, N_TOKENS, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))))
     assert [t for t, _ in remote] == [t for t, _ in local]
     assert all(a.tobytes() == b.tobytes() for (_, a), (_, b) in zip(remote, local, strict=True))
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_demo_runs_a_random_model_of_each_new_arch(model_dir, tmp_path, arch):
+    """`moeswarm demo --model FILE` (bootstrap, two workers, backbone): the tokens equal the single-process run."""
+    model = GGUFModel(make_model(model_dir, arch, n_layer=3))
+    p = moeswarm("demo", "--model", str(model.path), "--tokens", "8", "--workers", "2", "--workdir", str(tmp_path / "demo"), "--json", timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["tokens"] == 8 and out["identical_to_local"] and out["failed_dispatches"] == 0
+    assert all(w["dispatches"] > 0 for w in out["workers"])
