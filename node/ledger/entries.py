@@ -363,6 +363,7 @@ class VerifyReport:
     entries: int  # entries that checked out before the first bad one (all of them when ok)
     bad_seq: int | None = None
     problem: str | None = None
+    archived: int = 0  # entries 1..archived were compacted into the signed checkpoint the chain starts from
 
     @property
     def ok(self) -> bool:
@@ -370,7 +371,8 @@ class VerifyReport:
 
     def __str__(self) -> str:
         if self.ok:
-            return f"ok: {self.entries} entries of the {self.role} ledger of {self.owner}; chain, head and every signature check out"
+            kept = f"; entries 1-{self.archived} archived under its signed checkpoint" if self.archived else ""
+            return f"ok: {self.entries} entries of the {self.role} ledger of {self.owner}{kept}; chain, head and every signature check out"
         return f"entry {self.bad_seq}: {self.problem}"
 
 
@@ -381,9 +383,10 @@ class ChainChecker:
     so the walk holds one small state per dispatch instead of every receipt.
     """
 
-    def __init__(self, role: Role, owner: str, receipt_at: Callable[[int], Event]) -> None:
+    def __init__(self, role: Role, owner: str, receipt_at: Callable[[int], Event], *, after: tuple[int, bytes] = (0, GENESIS)) -> None:
+        """*after*: the seq and hash the first row links to (a compacted ledger's checkpoint; else the genesis)."""
         self.role, self.owner, self.receipt_at = role, owner, receipt_at
-        self.seq, self.hash = 0, GENESIS
+        self.seq, self.hash = after
         self._state: dict[DispatchRef, tuple[Status, int]] = {}  # status now, position of the receipt entry
 
     def feed(self, row: Sequence[object]) -> Entry:

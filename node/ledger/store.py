@@ -8,11 +8,13 @@ verify the chain and the head (see the entries module for the theory of operatio
 from __future__ import annotations
 
 import csv
+import gzip
 import json
+import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import IO
 
 import structlog
 
+from node.ledger.checkpoint import CLOCK_SKEW_US, DISPUTE_WINDOW_S, Checkpoint, DayTotals, Span, archive_digest, day_of, merge_totals, settled_prefix
 from node.ledger.entries import (  # noqa: F401  (re-exported: the ledger's public names)
     APPLICATION_ID,
     COLUMNS,
@@ -83,8 +86,44 @@ CREATE TABLE head (
     seq INTEGER NOT NULL, hash BLOB NOT NULL, signature BLOB NOT NULL
 );
 """
+_CHECKPOINT_TABLE = "CREATE TABLE IF NOT EXISTS checkpoint (id INTEGER PRIMARY KEY CHECK (id = 1), body TEXT NOT NULL)"
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM entries"
+_SPANS = (  # per dispatch: its first and last entry, the status after the last and when that was recorded
+    "SELECT s.first, s.last, x.status, x.created_at_us FROM (SELECT MIN(seq) AS first, MAX(seq) AS last FROM entries"
+    " GROUP BY dispatch_id, worker, backbone) s JOIN entries x ON x.seq = s.last ORDER BY s.first"
+)
 _INSERT = f"INSERT INTO entries ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+
+
+@dataclass(frozen=True)
+class CompactReport:
+    through_seq: int  # entries 1..through_seq now live in archive files (0: none)
+    archived: int  # entries this run moved
+    kept: int  # entries left in the ledger
+    archive: Path | None  # the file this run wrote
+    bytes_before: int
+    bytes_after: int
+
+
+def _record(row: Iterable[object]) -> dict[str, object]:
+    """A stored row as JSON-ready values: hashes and signatures in hex."""
+    return {c: v.hex() if isinstance(v, bytes) else v for c, v in zip(COLUMNS, row)}
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write, fsync and rename into place: the archive exists in full before the ledger forgets its entries."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Ledger:
@@ -208,7 +247,13 @@ class Ledger:
         with self._lock, self._transaction():
             seq, prev = self._db.execute("SELECT seq, hash FROM head WHERE id = 1").fetchone()
             now_us = int(self.clock() * 1e6)
+            checkpoint = self._checkpoint()
             for ev in events:
+                if checkpoint and ev.receipt and ev.receipt.issued_at_us <= checkpoint.cutoff_us + CLOCK_SKEW_US:
+                    raise ReplayError(
+                        f"receipt {ev.ref.dispatch_id} was issued before this ledger's checkpoint (entries up to"
+                        f" {checkpoint.through_seq} are archived): a dispatch that old cannot be told from a replay"
+                    )
                 before, receipt_seq = self._state(ev.ref)
                 status = check_rules(ev, self.role, self.owner, before)
                 if check_signatures:
@@ -284,51 +329,139 @@ class Ledger:
         for row in self.rows():
             yield decode_row(row)[0]
 
+    def checkpoint(self) -> Checkpoint | None:
+        """A compacted ledger's checkpoint, standing for the archived entries (:meth:`verify` checks its signature)."""
+        with self._reading():
+            return self._checkpoint()
+
+    def _checkpoint(self) -> Checkpoint | None:
+        if self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'checkpoint'").fetchone() is None:
+            return None
+        row = self._db.execute("SELECT body FROM checkpoint WHERE id = 1").fetchone()
+        return Checkpoint.decode(row[0]) if row else None
+
+    def _check_chain(self) -> int:
+        """Walk checkpoint, kept chain, signatures and signed head (inside a transaction); the first archived-out seq.
+
+        Raises ChainError naming the first bad entry (0: the checkpoint itself).
+        """
+        try:
+            checkpoint = self._checkpoint()
+        except EntryError as exc:
+            raise ChainError(0, str(exc)) from None
+        after = (checkpoint.through_seq, checkpoint.through_hash) if checkpoint else (0, GENESIS)
+        if checkpoint:
+            checkpoint.check(self.role, self.owner)
+        checker = ChainChecker(self.role, self.owner, self._event_at, after=after)
+        self._checker = checker  # where a failure happened, for the report
+        head = self._db.execute("SELECT role, owner, seq, hash, signature FROM head WHERE id = 1").fetchone()
+        for row in self._db.execute(f"{_SELECT} ORDER BY rowid"):
+            checker.feed(row)
+        if head is None or (head[0], head[1]) != (self.role.value, self.owner):
+            raise ChainError(checker.seq, "the ledger head names another role or owner")
+        checker.finish(*head[2:])
+        return after[0]
+
     def verify(self) -> VerifyReport:
         """Walk the whole chain and every signature in one snapshot; the report names the first bad entry."""
-        checker = ChainChecker(self.role, self.owner, self._event_at)
+        self._checker = ChainChecker(self.role, self.owner, self._event_at)
         try:
             with self._lock, self._transaction("DEFERRED"):
-                head = self._db.execute("SELECT role, owner, seq, hash, signature FROM head WHERE id = 1").fetchone()
-                for row in self._db.execute(f"{_SELECT} ORDER BY rowid"):
-                    checker.feed(row)
-                if head is None or (head[0], head[1]) != (self.role.value, self.owner):
-                    raise ChainError(checker.seq, "the ledger head names another role or owner")
-                checker.finish(*head[2:])
+                archived = self._check_chain()
         except sqlite3.DatabaseError as exc:  # bytes edited in the file itself, below the rows
-            bad = ChainError(checker.seq + 1, f"unreadable: {exc}")
+            bad = ChainError(self._checker.seq + 1, f"unreadable: {exc}")
         except ChainError as exc:
             bad = exc
         else:
-            return VerifyReport(self.role.value, self.owner, checker.seq)
+            return VerifyReport(self.role.value, self.owner, self._checker.seq - archived, archived=archived)
         log.warning("ledger.verify_failed", path=str(self.path), seq=bad.seq, problem=bad.problem)
-        return VerifyReport(self.role.value, self.owner, checker.seq, bad.seq, bad.problem)
+        return VerifyReport(self.role.value, self.owner, self._checker.seq, bad.seq, bad.problem)
 
-    def totals(self, peer: str | None = None, since: float | None = None) -> list[PeerTotals]:
-        """Per counterparty, the receipts recorded at or after *since* (unix seconds); disputed ones earn nothing."""
+    def compact(self, *, window_s: float = DISPUTE_WINDOW_S, archive_dir: Path | None = None) -> CompactReport:
+        """Move the settled prefix of the chain to a gzipped JSONL archive and replace it by a signed checkpoint.
+
+        The whole chain is verified first (a broken entry must not vanish into an archive under the
+        owner's signature); the archive is on disk, fsynced, before the entries leave the ledger.
+        See :mod:`node.ledger.checkpoint` for what may go.
+        """
+        identity = self._writer()
+        archive_dir = archive_dir or self.path.parent / "archive"
+        before = self._file_bytes()
+        with self._lock, self._transaction():
+            try:
+                start = self._check_chain()
+            except ChainError as exc:
+                raise EntryError(f"{self.path} does not verify ({exc}); compaction would archive the damage") from None
+            old = self._checkpoint()
+            spans = (Span(a, b, Status(st), us) for a, b, st, us in self._db.execute(_SPANS).fetchall())
+            through = settled_prefix(spans, int(self.clock() * 1e6), window_s, start)
+            kept = self._db.execute("SELECT COUNT(*) FROM entries WHERE seq > ?", (through,)).fetchone()[0]
+            if through == start:
+                return CompactReport(start, 0, kept, None, before, before)
+            rows = self._db.execute(f"{_SELECT} WHERE seq <= ? ORDER BY seq", (through,)).fetchall()
+            header = {"archive": "moeswarm ledger", "role": self.role.value, "owner": self.owner, "previous_checkpoint": old.encode() if old else None}
+            lines = [json.dumps(header, separators=(",", ":"))] + [json.dumps(_record(r), separators=(",", ":")) for r in rows]
+            data = gzip.compress(("\n".join(lines) + "\n").encode(), mtime=0)
+            path = archive_dir / f"{self.path.stem}-{start + 1}-{through}.jsonl.gz"
+            _write_durably(path, data)
+            last = dict(zip(COLUMNS, rows[-1]))
+            checkpoint = Checkpoint(
+                self.role, self.owner, through, last["entry_hash"], max(dict(zip(COLUMNS, r))["created_at_us"] for r in rows),
+                archive_digest(data), merge_totals(old.totals if old else (), self._day_totals(" AND r.seq <= ?", [through])),
+            ).signed(identity)  # fmt: skip
+            self._db.execute(_CHECKPOINT_TABLE)
+            self._db.execute("INSERT OR REPLACE INTO checkpoint VALUES (1, ?)", (checkpoint.encode(),))
+            self._db.execute("DELETE FROM entries WHERE seq <= ?", (through,))
+        try:  # give the freed pages back now; without this they are reused by later appends
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.execute("VACUUM")
+        except sqlite3.OperationalError as exc:  # another process (the running node) holds the file open
+            log.info("ledger.vacuum_deferred", path=str(self.path), reason=str(exc))
+        log.info("ledger.compacted", path=str(self.path), through_seq=through, archived=len(rows), kept=kept, archive=str(path))
+        return CompactReport(through, len(rows), kept, path, before, self._file_bytes())
+
+    def _file_bytes(self) -> int:
+        return sum(p.stat().st_size for p in (self.path, self.path.with_name(self.path.name + "-wal")) if p.exists())
+
+    def _day_totals(self, where: str = "", args: Sequence[object] = ()) -> tuple[DayTotals, ...]:
+        """Receipts in the kept chain per UTC day and counterparty; *where* narrows ``entries r``."""
         col = "worker" if self.role is Role.BACKBONE else "backbone"
         query = (
-            f"SELECT r.{col}, r.work_units, r.price, EXISTS (SELECT 1 FROM entries d WHERE d.dispatch_id = r.dispatch_id"
-            " AND d.worker = r.worker AND d.backbone = r.backbone AND d.kind = 'dispute')"
-            " FROM entries r WHERE r.kind IN ('issue', 'accept')"
+            "SELECT day, peer, COUNT(*), SUM(CASE WHEN bad THEN 0 ELSE units END), SUM(CASE WHEN bad THEN 0 ELSE units * price END),"
+            f" SUM(bad) FROM (SELECT strftime('%Y-%m-%d', r.created_at_us / 1000000, 'unixepoch') AS day, r.{col} AS peer,"
+            " r.work_units AS units, r.price AS price, EXISTS (SELECT 1 FROM entries d WHERE d.dispatch_id = r.dispatch_id"
+            " AND d.worker = r.worker AND d.backbone = r.backbone AND d.kind = 'dispute') AS bad"
+            f" FROM entries r WHERE r.kind IN ('issue', 'accept'){where}) GROUP BY day, peer ORDER BY day, peer"
         )
+        return tuple(DayTotals(*row) for row in self._db.execute(query, list(args)))
+
+    def day_totals(self, peer: str | None = None, since: float | None = None) -> tuple[DayTotals, ...]:
+        """Per UTC day and counterparty, the receipts recorded at or after *since* (unix seconds).
+
+        Archived entries are known only by their checkpoint's day totals: a day counts whole when it
+        is *since*'s day or later.
+        """
+        where = ""
         args: list[object] = []
         if peer is not None:
-            query += f" AND r.{col} = ?"
+            where += f" AND r.{'worker' if self.role is Role.BACKBONE else 'backbone'} = ?"
             args.append(peer)
         if since is not None:
-            query += " AND r.created_at_us >= ?"
+            where += " AND r.created_at_us >= ?"
             args.append(int(since * 1e6))
-        acc: dict[str, list[int]] = {}
         with self._reading():
-            for pid, units, price, disputed in self._db.execute(query, args):
-                a = acc.setdefault(pid, [0, 0, 0, 0])
-                a[0] += 1
-                if disputed:
-                    a[3] += 1
-                else:
-                    a[1] += units
-                    a[2] += units * price
+            kept, checkpoint = self._day_totals(where, args), self._checkpoint()
+        first_day = day_of(int(since * 1e6)) if since is not None else ""
+        archived = [t for t in checkpoint.totals if peer in (None, t.peer_id) and t.day >= first_day] if checkpoint else []
+        return merge_totals(archived, kept)
+
+    def totals(self, peer: str | None = None, since: float | None = None) -> list[PeerTotals]:
+        """Per counterparty, the receipts recorded at or after *since* (see :meth:`day_totals`); disputed ones earn nothing."""
+        acc: dict[str, list[int]] = {}
+        for t in self.day_totals(peer, since):
+            a = acc.setdefault(t.peer_id, [0, 0, 0, 0])
+            for i, v in enumerate((t.dispatches, t.work_units, t.credits, t.disputed)):
+                a[i] += v
         other = Role.WORKER if self.role is Role.BACKBONE else Role.BACKBONE
         return [PeerTotals(pid, other.value, *a) for pid, a in sorted(acc.items())]
 
@@ -341,7 +474,7 @@ class Ledger:
             writer.writeheader()
         n = 0
         for row in self.rows():
-            rec = {c: v.hex() if isinstance(v, bytes) else v for c, v in zip(COLUMNS, row)}
+            rec = _record(row)
             if writer:
                 writer.writerow(rec)
             else:

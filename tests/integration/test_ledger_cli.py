@@ -8,8 +8,10 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from node.ledger.receipts import Receipt, sign
 from node.ledger.store import Ledger
 from node.logs import configure_logging
 from p2p.identity import Identity
@@ -126,3 +128,66 @@ def test_a_damaged_page_is_one_error_line_for_show_and_export(tmp_path, parties)
         assert err.stderr.startswith(f"error: {path} is damaged") and "ledger verify" in err.stderr, err
     bad = run_cli("verify", "--ledger", str(path))
     assert bad.returncode == 1 and "unreadable" in bad.stdout and "Traceback" not in bad.stderr, bad
+
+
+def test_cli_compact_keeps_verify_and_totals_and_still_catches_an_edit(tmp_path):
+    """`ledger compact` with the owner's key beside the ledger: verify ok, same totals by peer and day, an edit of a
+    kept entry still fails verify; without the key it is one error line."""
+    home = Path(os.environ["MOESWARM_HOME"]) / "backbone"
+    backbone, w1, w2 = Identity.load_or_create(home / "key.pem"), Identity.generate(), Identity.generate()
+    path = home / "ledger.sqlite"
+    fill_backbone(path, backbone, w1, w2)  # 7 entries recorded in 2023: settled by the dispute window
+    with Ledger(path, identity=backbone) as led:
+        r, _ = make_receipt(w1, backbone, 50)
+        fresh = Receipt(**{**r.__dict__, "issued_at_us": time.time_ns() // 1000})
+        led.append_receipt(fresh, sign(w1, fresh))
+    before = json.loads(run_cli("show", "--json").stdout)
+    done = run_cli("compact", "--older-than", "7d")
+    assert done.returncode == 0 and done.stdout.startswith("archived 7 entries") and "kept 1" in done.stdout, done
+    assert list((home / "archive").glob("ledger-1-7.jsonl.gz"))
+    ok = run_cli("verify")
+    assert ok.returncode == 0 and "entries 1-7 archived" in ok.stdout, ok
+    after = json.loads(run_cli("show", "--json").stdout)
+    assert after["archived_through"] == 7 and {k: after[k] for k in ("peers", "days")} == {k: before[k] for k in ("peers", "days")}
+    by_day = run_cli("show", "--by-day")
+    assert "2023-11-14" in by_day.stdout and "work unit" in by_day.stdout, by_day
+    again = run_cli("compact", "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["archived"] == 0
+    con = sqlite3.connect(path)
+    con.execute("UPDATE entries SET price = 1 WHERE seq = 8")
+    con.commit()
+    con.close()
+    bad = run_cli("verify")
+    assert bad.returncode == 1 and bad.stdout.startswith("entry 8: "), bad
+    (home / "key.pem").rename(home / "moved.pem")
+    err = run_cli("compact")
+    assert err.returncode == 2 and err.stderr.startswith("error: ") and "--key" in err.stderr and len(err.stderr.splitlines()) == 1, err
+    short = run_cli("compact", "--older-than", "10m", "--key", str(home / "moved.pem"))
+    assert short.returncode == 2 and "at least 1h" in short.stderr, short
+
+
+def test_cli_reconcile_flags_a_ledger_rolled_back_to_an_older_copy(tmp_path, parties):
+    """Each side's ledger restored from a copy taken after 3 of 5 dispatches still verifies on its own; reconcile
+    against the counterparty lists the 2 lost receipts (exit 1); two ledgers of one role are one error line."""
+    backbone, worker, _ = parties
+    b, w = tmp_path / "backbone.sqlite", tmp_path / "worker.sqlite"
+    with Ledger(b, "backbone", backbone) as bled, Ledger(w, "worker", worker) as wled:
+        for i in range(5):
+            if i == 3:
+                for src in (b, w):  # the operator's backup (SQLite's online backup: the WAL is included)
+                    with sqlite3.connect(src) as live, sqlite3.connect(tmp_path / f"{src.stem}-old.sqlite") as copy:
+                        live.backup(copy)
+            r, stamp = make_receipt(worker, backbone, i)
+            bled.append_receipt(r, stamp)
+            wled.append_receipt(r, stamp)
+    ids = [make_receipt(worker, backbone, i)[0].dispatch_id for i in (3, 4)]
+    same = run_cli("reconcile", str(b), str(w))
+    assert same.returncode == 0 and same.stdout.startswith("5 dispatches") and "ok: both ledgers" in same.stdout, same
+    for old, side in (("worker-old.sqlite", "worker"), ("backbone-old.sqlite", "backbone")):
+        assert run_cli("verify", "--ledger", str(tmp_path / old)).returncode == 0  # a rollback verifies by itself
+        pair = (str(b), str(tmp_path / old)) if side == "worker" else (str(tmp_path / old), str(w))
+        found = run_cli("reconcile", *pair, "--json")
+        out = json.loads(found.stdout)
+        assert found.returncode == 1 and not out["ok"] and out[f"missing_at_{side}"] == ids, found
+    twice = run_cli("reconcile", str(b), str(tmp_path / "backbone-old.sqlite"))
+    assert twice.returncode == 2 and "both ledgers are backbone ledgers" in twice.stderr, twice
