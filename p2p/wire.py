@@ -68,6 +68,17 @@ already gives::
     8     nonce       u64
     8     sent_at_us  u64; the pinger's clock
 
+    LEDGER_HEAD (8): the sender's signed ledger head, and what it knows of the receiver's; a backbone sends it, the
+    worker answers with its own (see node.ledger.witness)
+    size  field        value
+    1     role         u8; Role of the sender's ledger
+    8     seq          u64; the sender's head: last entry
+    32    entry_hash   its hash
+    64    signature    the sender's Ed25519 signature over node.ledger.entries.head_bytes
+    8     ask_seq      u64; the receiver's head seq the sender last witnessed (0: none)
+    32    ask_hash     the receiver's entry hash there as the sender holds it signed; in an answer: the sender's own
+                       entry hash at the asker's ask_seq (all zero: not in its chain any more)
+
 A type this module does not know decodes to ``Unknown`` (flags and body kept), never an error: the receiver decides.
 Hello and HelloAck are framed as version 1 forever, so peers of any version can negotiate; every other message uses
 the negotiated version. In every version a DispatchRequest body starts with its dispatch id (``peek_dispatch_id``).
@@ -113,7 +124,7 @@ __all__ = [
     "DIGEST_LEN", "DISPATCH_ID_LEN", "HEADER_LEN", "MAGIC", "MAX_ERROR_TEXT", "MAX_MESSAGE", "MAX_MODELS",
     "MAX_RECEIPT", "MAX_TOKENS", "MAX_TOP_K", "MODEL_ID_LEN", "SUPPORTED_VERSIONS", "VERSION", "ZERO_ID", "BadCodec",
     "Codec", "DispatchReply", "DispatchRequest", "ErrorCode", "ErrorReply", "Header", "Hello", "HelloAck",
-    "InvalidField", "Message", "MsgType", "Ping", "Pong", "ProtocolError", "Role", "TooLarge", "Truncated",
+    "InvalidField", "LedgerHead", "Message", "MsgType", "Ping", "Pong", "ProtocolError", "Role", "TooLarge", "Truncated",
     "Unknown", "UnsupportedVersion", "decode", "decode_header", "error_reply_for", "model_id_of", "negotiate",
     "peek_dispatch_id",
 ]
@@ -146,6 +157,7 @@ class MsgType(IntEnum):
     ERROR_REPLY = 5
     PING = 6
     PONG = 7
+    LEDGER_HEAD = 8
 
 
 class Role(IntEnum):
@@ -441,6 +453,38 @@ class Pong(_Echo):
 
 
 @dataclass(frozen=True)
+class LedgerHead(_Message):
+    """A signed ledger head, and the sender's view of the receiver's chain at the seq it last witnessed."""
+
+    TYPE: ClassVar[MsgType] = MsgType.LEDGER_HEAD
+
+    role: Role
+    seq: int
+    entry_hash: bytes
+    signature: bytes
+    ask_seq: int = 0
+    ask_hash: bytes = bytes(32)
+
+    def __post_init__(self) -> None:
+        set_frozen(self, "role", enum_field(Role, "role", self.role))
+        for name in ("seq", "ask_seq"):
+            int_field(name, getattr(self, name), 0, 2**63 - 1)
+        for name, n in (("entry_hash", 32), ("signature", 64), ("ask_hash", 32)):
+            set_frozen(self, name, bytes_field(name, getattr(self, name), n, n))
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        return struct.pack("<BQ", self.role, self.seq), self.entry_hash, self.signature, struct.pack("<Q", self.ask_seq), self.ask_hash
+
+    def _body_len(self) -> int:
+        return 145
+
+    @classmethod
+    def _decode(cls, r: Reader) -> Self:
+        role = enum_field(Role, "role", r.u8("role"))
+        return cls(role, r.u64("seq"), r.take(32, "entry_hash"), r.take(64, "signature"), r.u64("ask_seq"), r.take(32, "ask_hash"))
+
+
+@dataclass(frozen=True)
 class Unknown(_Message):
     """A message of a type this side does not know, kept whole so the caller can ignore, log or refuse it."""
 
@@ -466,10 +510,10 @@ class Unknown(_Message):
         return len(self.body)
 
 
-Message = Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | Unknown
+Message = Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead | Unknown
 
-_TYPES: dict[int, type[Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong]] = {
-    cls.TYPE: cls for cls in (Hello, HelloAck, DispatchRequest, DispatchReply, ErrorReply, Ping, Pong)
+_TYPES: dict[int, type[Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead]] = {
+    cls.TYPE: cls for cls in (Hello, HelloAck, DispatchRequest, DispatchReply, ErrorReply, Ping, Pong, LedgerHead)
 }
 
 

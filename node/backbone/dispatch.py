@@ -31,6 +31,7 @@ from experts import codecs
 from experts.codecs import Codec
 from experts.errors import MoeSwarmError
 from experts.moe import ExpertSource, combine
+from node.backbone.heads import HeadExchange
 from node.backbone.hot import HotExperts
 from node.backbone.routing import Host, Router
 from node.backbone.spotcheck import SpotChecker, compare
@@ -181,6 +182,7 @@ class RemoteMoE:
         self.disputes: deque[Dispute] = deque(maxlen=KEEP_RECENT)
         self.checker = SpotChecker(spot_check, spot_seed)
         self.ledger = ledger  # every verified receipt, and every dispute, is appended (off the hot path)
+        self.heads = HeadExchange(ledger, connector, timeout=timeout) if ledger else None  # signed heads swapped with workers paid
         self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
         self.loop = loop
 
@@ -309,6 +311,8 @@ class RemoteMoE:
         log.info("receipt.accepted", **dataclasses.asdict(receipt))  # the ledger entry's fields, as one event
         if self.ledger:
             self.ledger.receipt(receipt, stamp)
+        if self.heads:
+            self.heads.after_dispatch(host)
         return sums
 
     async def _spot_check(self, host: Host, layer: int, x, ids, w, held, sums, receipt: Receipt, stamp: ReceiptStamp) -> np.ndarray | None:

@@ -59,7 +59,10 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         connector = Connector(endpoint, relay_route=lambda url, relay_peer: attach(endpoint, relay.client(identity, url, expected_relay=relay_peer)), nat=reach.nat)
         stack.push_async_callback(connector.close)
         cfg = model.cfg
-        yield RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0], loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price)
+        moe = RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0], loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price)
+        if moe.heads:  # the last head swap needs the connector: it runs before the stack closes that
+            stack.push_async_callback(moe.heads.close)
+        yield moe
 
 
 async def _cancel(task: asyncio.Task) -> None:

@@ -8,6 +8,7 @@ money: what a credit is worth is agreed between the operators.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -20,6 +21,7 @@ from node.cli.root import emit_json
 from node.ledger.checkpoint import CLOCK_SKEW_US, DISPUTE_WINDOW_S
 from node.ledger.reconcile import reconcile
 from node.ledger.store import FILENAME, Ledger, LedgerError, Role
+from node.ledger.witness import BAD, judge
 from p2p.identity import Identity
 
 ledger_opt = click.option("--ledger", "ledger_path", default=None, type=click.Path(dir_okay=False), help=f"Ledger file (default $MOESWARM_HOME/ROLE/{FILENAME}).")
@@ -176,19 +178,31 @@ def compact_cmd(ledger_path: str | None, role: str | None, key_path: str | None,
 @click.argument("second", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True)
 def reconcile_cmd(first: str, second: str, as_json: bool) -> None:
-    """Compare a backbone's ledger with a worker's: receipts missing on either side, or differing; exit 1 if any."""
-    receipts, owners, cutoff = {}, {}, 0
-    for p in (first, second):
-        with Ledger(p) as ledger:
-            if ledger.role in receipts:
+    """Compare a backbone's ledger with a worker's: receipts missing on either side or differing, and each side's
+    signed head of the other against the other's chain (a rollback to an older copy shows); exit 1 if anything is off."""
+    receipts, owners, ledgers, cutoff = {}, {}, {}, 0
+    with contextlib.ExitStack() as stack:
+        for p in (first, second):
+            ledger = stack.enter_context(Ledger(p))
+            if ledger.role in ledgers:
                 raise LedgerError(f"both ledgers are {ledger.role} ledgers; reconcile compares a backbone's with a worker's")
+            ledgers[ledger.role], owners[ledger.role] = ledger, ledger.owner
             receipts[ledger.role] = [e.event.receipt for e in ledger.entries() if e.event.receipt is not None]
-            owners[ledger.role] = ledger.owner
             checkpoint = ledger.checkpoint()
             cutoff = max(cutoff, checkpoint.cutoff_us + CLOCK_SKEW_US if checkpoint else 0)
+        rollbacks = []
+        for holder, other in ((Role.BACKBONE, Role.WORKER), (Role.WORKER, Role.BACKBONE)):
+            held = ledgers[holder].witnessed(owners[other])
+            if held is not None:
+                now = ledgers[other].head()
+                verdict = judge(held, now, ledgers[other].hash_at(held.seq))
+                if verdict in BAD:
+                    rollbacks.append(f"the {other} ledger {verdict.value.replace('_', ' ')}: it signed entry {held.seq} (held by the {holder}), it now ends at {now.seq}")
+            rollbacks += [f"the {holder} recorded the {other} {v.replace('_', ' ')}: head {a.seq} held, head {b.seq} shown" for a, b, v in ledgers[holder].conflicts()]
     result = reconcile(owners[Role.BACKBONE], owners[Role.WORKER], receipts[Role.BACKBONE], receipts[Role.WORKER], after_us=cutoff)
+    ok = result.ok and not rollbacks
     if as_json:
-        emit_json({**asdict(result), "ok": result.ok})
+        emit_json({**asdict(result), "rollbacks": rollbacks, "ok": ok})
     else:
         click.echo(f"{result.compared} dispatches from backbone {result.backbone} to worker {result.worker}")
         for did in result.missing_at_worker:
@@ -197,6 +211,8 @@ def reconcile_cmd(first: str, second: str, as_json: bool) -> None:
             click.echo(f"missing in the backbone's ledger: {did}")
         for d in result.differing:
             click.echo(f"differs: {d.dispatch_id} ({', '.join(d.fields)})")
-        click.echo("ok: both ledgers hold the same receipts" if result.ok else "MISMATCH")
-    if not result.ok:
+        for line in rollbacks:
+            click.echo(f"rollback: {line}")
+        click.echo("ok: both ledgers hold the same receipts" if ok else "MISMATCH")
+    if not ok:
         sys.exit(1)

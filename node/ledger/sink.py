@@ -17,6 +17,7 @@ import structlog
 
 from node.ledger.receipts import Receipt, ReceiptStamp
 from node.ledger.store import Event, Ledger, LedgerError, ref_of
+from node.ledger.witness import UNKNOWN, SignedHead
 from p2p.identity import Identity
 
 log = structlog.get_logger("node.ledger.store")
@@ -46,6 +47,20 @@ class LedgerSink:
         """Record that an already-recorded receipt is disputed (unpaid)."""
         self._queue.put(("dispute", receipt, reason))
 
+    def witness(self, head: SignedHead, answer: bytes = UNKNOWN) -> None:
+        """Keep a counterparty's signed head (checked and judged on the writer thread; see node.ledger.witness)."""
+        self._queue.put(("witness", head, answer))
+
+    def head(self) -> SignedHead:
+        """This node's signed ledger head (a short read under the ledger's lock: call it off the event loop)."""
+        return self._ledger.head()
+
+    def hash_at(self, seq: int) -> bytes:
+        return self._ledger.hash_at(seq)
+
+    def witnessed(self, peer: str) -> SignedHead | None:
+        return self._ledger.witnessed(peer)
+
     def close(self) -> None:
         """Commit everything queued, then stop the writer."""
         self._queue.put(_STOP)
@@ -58,6 +73,7 @@ class LedgerSink:
             self._error = exc
             self._opened.set()
             return
+        self._ledger = ledger
         self._opened.set()
         try:
             stopping = False
@@ -77,6 +93,14 @@ class LedgerSink:
             ledger.close()
 
     def _commit(self, ledger: Ledger, items: list) -> None:
+        for _, head, answer in (i for i in items if i[0] == "witness"):
+            try:
+                ledger.witness(head, answer)
+            except LedgerError as exc:  # a forged or garbled head from a peer: its problem, logged
+                log.warning("ledger.witness_refused", peer=head.owner, error=str(exc))
+        items = [i for i in items if i[0] != "witness"]
+        if not items:
+            return
         events = [self._event(ledger, item) for item in items]
         try:
             ledger.append_batch(events, check_signatures=False)

@@ -54,6 +54,7 @@ from node.ledger.entries import (  # noqa: F401  (re-exported: the ledger's publ
     verify_signatures,
 )  # fmt: skip
 from node.ledger.receipts import Receipt, ReceiptStamp, verify
+from node.ledger.witness import BAD, UNKNOWN, SignedHead, Verdict, judge
 from p2p.identity import Identity
 
 log = structlog.get_logger("moeswarm.ledger")
@@ -86,7 +87,12 @@ CREATE TABLE head (
     seq INTEGER NOT NULL, hash BLOB NOT NULL, signature BLOB NOT NULL
 );
 """
+# Tables a ledger gains when first needed (the format stays 1: older files simply lack them)
 _CHECKPOINT_TABLE = "CREATE TABLE IF NOT EXISTS checkpoint (id INTEGER PRIMARY KEY CHECK (id = 1), body TEXT NOT NULL)"
+_WITNESS_TABLES = (
+    "CREATE TABLE IF NOT EXISTS witness (peer TEXT PRIMARY KEY, head TEXT NOT NULL, at_us INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS witness_conflict (held TEXT NOT NULL, got TEXT NOT NULL, verdict TEXT NOT NULL, at_us INTEGER NOT NULL)",
+)
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM entries"
 _SPANS = (  # per dispatch: its first and last entry, the status after the last and when that was recorded
     "SELECT s.first, s.last, x.status, x.created_at_us FROM (SELECT MIN(seq) AS first, MAX(seq) AS last FROM entries"
@@ -334,8 +340,11 @@ class Ledger:
         with self._reading():
             return self._checkpoint()
 
+    def _has(self, table: str) -> bool:
+        return self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone() is not None
+
     def _checkpoint(self) -> Checkpoint | None:
-        if self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'checkpoint'").fetchone() is None:
+        if not self._has("checkpoint"):
             return None
         row = self._db.execute("SELECT body FROM checkpoint WHERE id = 1").fetchone()
         return Checkpoint.decode(row[0]) if row else None
@@ -422,6 +431,57 @@ class Ledger:
 
     def _file_bytes(self) -> int:
         return sum(p.stat().st_size for p in (self.path, self.path.with_name(self.path.name + "-wal")) if p.exists())
+
+    # -- witnessed heads (node.ledger.witness)
+
+    def head(self) -> SignedHead:
+        """This ledger's head as its owner signed it: what the counterparties keep."""
+        with self._reading():
+            role, owner, seq, h, sig = self._db.execute("SELECT role, owner, seq, hash, signature FROM head WHERE id = 1").fetchone()
+        return SignedHead(Role(role), owner, seq, h, sig)
+
+    def hash_at(self, seq: int) -> bytes:
+        """The hash of entry *seq* (the checkpoint's for its last archived entry); witness.UNKNOWN if not in the chain."""
+        with self._reading():
+            row = self._db.execute("SELECT entry_hash FROM entries WHERE seq = ?", (seq,)).fetchone()
+            checkpoint = self._checkpoint() if row is None else None
+        if row is not None:
+            return row[0]
+        return checkpoint.through_hash if checkpoint and checkpoint.through_seq == seq else UNKNOWN
+
+    def witnessed(self, peer: str) -> SignedHead | None:
+        """The latest head *peer* signed that this ledger holds."""
+        with self._reading():
+            row = self._db.execute("SELECT head FROM witness WHERE peer = ?", (peer,)).fetchone() if self._has("witness") else None
+        return SignedHead.decode(row[0]) if row else None
+
+    def witness(self, got: SignedHead, answer: bytes = UNKNOWN) -> Verdict:
+        """Keep a counterparty's signed head; a rollback or fork keeps the old one and records both as evidence.
+
+        *answer*: the peer's own entry hash at the seq of the head held before (see witness.judge).
+        """
+        got.check()
+        held = self.witnessed(got.owner)
+        verdict = judge(held, got, answer)
+        now_us = int(self.clock() * 1e6)
+        with self._lock, self._transaction():
+            for stmt in _WITNESS_TABLES:
+                self._db.execute(stmt)
+            if verdict in BAD:
+                assert held is not None, "judge finds a rollback only against a held head"
+                self._db.execute("INSERT INTO witness_conflict VALUES (?, ?, ?, ?)", (held.encode(), got.encode(), verdict.value, now_us))
+            elif verdict is not Verdict.SAME:
+                self._db.execute("INSERT OR REPLACE INTO witness VALUES (?, ?, ?)", (got.owner, got.encode(), now_us))
+        if verdict in BAD:
+            assert held is not None
+            log.warning("ledger.rollback_detected", peer=got.owner, role=got.role.value, verdict=verdict.value, held_seq=held.seq, now_seq=got.seq)
+        return verdict
+
+    def conflicts(self) -> list[tuple[SignedHead, SignedHead, str]]:
+        """Evidence of counterparties' rollbacks: (head held, head got, verdict), oldest first."""
+        with self._reading():
+            rows = self._db.execute("SELECT held, got, verdict FROM witness_conflict ORDER BY rowid").fetchall() if self._has("witness_conflict") else []
+        return [(SignedHead.decode(a), SignedHead.decode(b), v) for a, b, v in rows]
 
     def _day_totals(self, where: str = "", args: Sequence[object] = ()) -> tuple[DayTotals, ...]:
         """Receipts in the kept chain per UTC day and counterparty; *where* narrows ``entries r``."""

@@ -23,8 +23,10 @@ from experts.codecs import Codec
 from experts.errors import CodecError
 from experts.moe import ExpertSource
 from experts.rows import split_rows
+from node.ledger.entries import Role
 from node.ledger.receipts import STAMP, build_receipt, sign, work_units
 from node.ledger.sink import LedgerSink
+from node.ledger.witness import UNKNOWN, SignedHead
 from p2p import wire
 from p2p.identity import Identity, PeerId
 from p2p.pathkind import Path
@@ -111,8 +113,10 @@ class Worker:
             msg = wire.decode(data)
             if isinstance(msg, wire.Ping):
                 return wire.Pong.answering(msg).encode()
+            if isinstance(msg, wire.LedgerHead):
+                return (await self._ledger_head(peer, msg)).encode()
             if not isinstance(msg, wire.DispatchRequest):
-                raise wire.InvalidField("type", f"a worker answers DispatchRequest and Ping, not {type(msg).__name__}")
+                raise wire.InvalidField("type", f"a worker answers DispatchRequest, Ping and LedgerHead, not {type(msg).__name__}")
             if self.refusing:
                 raise Draining("type", "this worker is shutting down and withdrew its records; ask another replica")
             self.in_flight += 1
@@ -130,6 +134,18 @@ class Worker:
                 exc = wire.BadCodec("hidden", str(exc))
             return wire.error_reply_for(exc, dispatch_id).encode()
         return reply
+
+    async def _ledger_head(self, peer: PeerId, msg: wire.LedgerHead) -> wire.LedgerHead:
+        """Keep the backbone's signed head; answer with ours and our entry hash at the seq it last witnessed."""
+        if self.ledger is None:
+            raise wire.InvalidField("type", "this worker keeps no ledger")
+        if msg.role is not wire.Role.BACKBONE:
+            raise wire.InvalidField("role", "a worker swaps ledger heads with backbones")
+        self.ledger.witness(SignedHead(Role.BACKBONE, str(peer), msg.seq, msg.entry_hash, msg.signature))
+        ours = await asyncio.to_thread(self.ledger.head)
+        answer = await asyncio.to_thread(self.ledger.hash_at, msg.ask_seq) if msg.ask_seq else UNKNOWN
+        log.debug("ledger.head_exchanged", peer=str(peer), their_seq=msg.seq, our_seq=ours.seq)
+        return wire.LedgerHead(wire.Role.WORKER, ours.seq, ours.entry_hash, ours.signature, msg.ask_seq, answer)
 
     async def _dispatch(self, peer: PeerId, req: wire.DispatchRequest, data: bytes, t0: float) -> bytes:
         if req.model_id != self._model_id:

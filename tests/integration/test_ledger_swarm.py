@@ -12,6 +12,7 @@ import pytest
 
 from experts.embedded import EMBEDDED_MODEL
 from node.launcher import Cluster
+from node.ledger.store import Ledger
 from tests.support import MOESWARM, moeswarm, until
 
 pytestmark = pytest.mark.slow
@@ -83,3 +84,54 @@ def test_backbone_killed_mid_generation_keeps_every_acknowledged_receipt(tmp_pat
                 gen.kill()
     assert cli("ledger", "verify", "--ledger", str(ledger)).returncode == 0
     assert entry_count(ledger) >= seen
+
+
+def backup(src, dst) -> None:
+    """An operator's copy of a live ledger (SQLite's online backup: the WAL is included)."""
+    live, copy = sqlite3.connect(src), sqlite3.connect(dst)
+    try:
+        live.backup(copy)
+    finally:
+        live.close()
+        copy.close()
+
+
+def test_a_worker_ledger_restored_from_an_older_copy_is_flagged_by_its_backbone(tmp_path):
+    """Backbone and worker swap signed ledger heads; after the worker's ledger is rolled back to a copy taken one
+    generation earlier, the backbone's next run records the rollback as evidence and reconcile lists the lost receipts."""
+    bb = tmp_path / "bb"
+    with Cluster(tmp_path) as cluster:
+        boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
+        worker = cluster.start("w", "worker", "--model", str(EMBEDDED_MODEL), "--bootstrap", boot)
+        peer = worker.wait_ready()["peer_id"]
+        wled = tmp_path / "w" / "ledger.sqlite"
+
+        def generate() -> subprocess.CompletedProcess:
+            p = cli("backbone", "generate", "--model", str(EMBEDDED_MODEL), "--bootstrap", boot, "--tokens", "4", "--data-dir", str(bb), "In the beginning")
+            assert p.returncode == 0, p.stderr[-2000:]
+            return p
+
+        generate()
+        backup(wled, tmp_path / "old.sqlite")
+        second = generate()
+        assert "rollback_detected" not in second.stdout + second.stderr
+        with Ledger(bb / "ledger.sqlite") as led:
+            held = led.witnessed(peer)
+            assert held is not None and held.seq == entry_count(wled) and not led.conflicts()
+        with Ledger(wled) as led:
+            assert led.witnessed(json.loads(cli("ledger", "show", "--ledger", str(bb / "ledger.sqlite"), "--json").stdout)["owner"]) is not None
+
+        worker.stop()
+        for suffix in ("", "-wal", "-shm"):
+            (tmp_path / "w" / f"ledger.sqlite{suffix}").unlink(missing_ok=True)
+        backup(tmp_path / "old.sqlite", wled)
+        assert cli("ledger", "verify", "--ledger", str(wled)).returncode == 0  # alone, the old copy checks out
+        cluster.start("w", "worker", "--model", str(EMBEDDED_MODEL), "--bootstrap", boot).wait_ready()
+        third = generate()
+    assert "ledger.rollback_detected" in third.stdout + third.stderr, third.stderr[-2000:]
+    with Ledger(bb / "ledger.sqlite") as led:
+        conflicts = led.conflicts()
+    assert conflicts and conflicts[0][0] == held and conflicts[0][2] in ("rolled_back", "forked")
+    found = cli("ledger", "reconcile", str(bb / "ledger.sqlite"), str(wled), "--json")
+    out = json.loads(found.stdout)
+    assert found.returncode == 1 and out["missing_at_worker"] and any("rolled back" in r or "forked" in r for r in out["rollbacks"]), out

@@ -29,6 +29,7 @@ from p2p.wire import (
     Hello,
     HelloAck,
     InvalidField,
+    LedgerHead,
     MsgType,
     Ping,
     Pong,
@@ -114,6 +115,11 @@ SNAPSHOTS = [
         Pong(nonce=0x1122334455667788, sent_at_us=1),
         "4d5357 01 07 0000 10000000" "8877665544332211" "0100000000000000",
         id="pong",
+    ),
+    pytest.param(
+        LedgerHead(Role.WORKER, seq=2, entry_hash=b"\x11" * 32, signature=b"\x22" * 64, ask_seq=1, ask_hash=b"\x33" * 32),
+        "4d5357 01 08 0000 91000000" "02" "0200000000000000" + "11" * 32 + "22" * 64 + "0100000000000000" + "33" * 32,
+        id="ledger_head",
     ),
     pytest.param(Unknown(0xC8, b"\xff", flags=3), "4d5357 01 c8 0300 01000000 ff", id="unknown"),
 ]
@@ -468,7 +474,7 @@ def test_constructor_refuses_inconsistent_requests(change, field):
     assert refused.value.field == field
 
 
-@pytest.mark.parametrize("msg_type", [0, 8, 0x7F, 0xFF])
+@pytest.mark.parametrize("msg_type", [0, 9, 0x7F, 0xFF])
 def test_unknown_type_decodes_to_unknown(msg_type):
     """A type this side does not know decodes to Unknown with its flags and body intact."""
     data = frame(msg_type, b"future", flags=0x8001)
