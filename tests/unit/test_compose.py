@@ -13,6 +13,7 @@ import ipaddress
 import posixpath
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 import dockerfile
@@ -375,6 +376,17 @@ def address_problems(c: dict) -> list[str]:
         for addr in options(svc, "--bootstrap"):
             if problem := _bootstrap_target(c, name, addr):
                 problems.append(problem)
+        for url in options(svc, "--relay"):
+            u = urlsplit(url)
+            relay = next((n for n, other in services(c).items() if u.hostname in addresses(other) and "relay" in map(str, other.get("command") or [])), None)
+            if relay is None:
+                problems.append(f"{name}: --relay {url} names no relay service's fixed address")
+            elif option(services(c)[relay], "--listen") is None or hostport(option(services(c)[relay], "--listen") or "")[1] != u.port:
+                problems.append(f"{name}: --relay {url} is not the port {relay} listens on")
+        nets = svc.get("networks") or {}
+        if "worker" in map(str, svc.get("command") or []) and nets and all((c.get("networks") or {}).get(n, {}).get("internal") for n in nets):
+            if not options(svc, "--relay"):
+                problems.append(f"{name}: on internal networks only, so its QUIC address cannot be dialled from outside: it needs --relay")
         if "MOESWARM_GATEWAY" in environment(svc):
             router = gateway(c, name)
             if router is None:
@@ -447,6 +459,9 @@ MUTATIONS = [
     ("key-not-a-secret", lambda c: c["services"]["bootstrap"].update(secrets=[]), node_setup_problems, "not one of its /run/secrets/"),
     ("gateway-not-root", lambda c: c["services"]["nat-worker"].pop("user"), address_problems, "needs user: root"),
     ("nat-worker-unreachable", lambda c: c["services"]["nat-worker"]["environment"].clear(), address_problems, "nat-worker cannot reach bootstrap"),
+    ("nat-worker-without-relay", lambda c: c["services"]["nat-worker"]["command"].remove("--relay=ws://10.203.0.11:8080/relay"), address_problems, "it needs --relay"),
+    ("relay-port", lambda c: set_option(c["services"]["nat-worker"], "--relay", "ws://10.203.0.11:9090/relay"), address_problems, "is not the port relay listens on"),
+    ("relay-address", lambda c: set_option(c["services"]["nat-worker"], "--relay", "ws://10.203.0.21:8080/relay"), address_problems, "names no relay service"),
     ("key-data-dir", lambda c: set_option(c["services"]["bootstrap"], "--data-dir", "/data/bootstrap"), node_setup_problems, "needs --data-dir=/data"),
 ]
 
