@@ -19,7 +19,7 @@ from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
 from p2p.identity import Identity
 from tests.support import log_offset, wait_for_log
-from tests.support.engine import local_engine
+from tests.support.engine import generate_off_loop, local_engine
 
 pytestmark = pytest.mark.slow
 
@@ -66,15 +66,7 @@ def test_relay_only_worker_serves_exactly_and_survives_a_relay_restart(tmp_path)
         async def run():
             async with backbone_session(backbone_id, model, [boot], timeout=1.0, kernel=bb.kernel) as moe:
                 await wait_for_hosts(moe, model.layers, 1, 60)
-
-                def go():
-                    out = []
-                    for i, (t, _) in enumerate(generate(bb, ids, n, moe.hook)):
-                        out.append(t)
-                        chaos(i)
-                    return out
-
-                return await asyncio.to_thread(go), moe
+                return await generate_off_loop(bb, moe.hook, ids, n, chaos), moe
 
         with structlog.testing.capture_logs() as logs:
             out, moe = asyncio.run(run())

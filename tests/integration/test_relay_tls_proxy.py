@@ -27,7 +27,7 @@ from p2p.identity import Identity
 from relay.client import RelaySettings
 from relay.server import RelayServer
 from tests.support import async_until, log_offset, moeswarm, run_bounded, wait_for_log
-from tests.support.engine import kernel, local_engine
+from tests.support.engine import generate_off_loop, kernel, local_engine
 from tests.support.tlsproxy import NginxProxy, PrivateCA, free_port, nginx_binary
 
 pytestmark = pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (./dev setup installs it)")
@@ -118,17 +118,10 @@ def test_worker_and_backbone_through_the_proxy_survive_its_restart(swarm):
                 wait_for_log(relay.log_file, "relay.client_connected", f"peer={peer}", since=since, timeout=60)
 
     async def run():
-        async with backbone_session(backbone_id, model, [swarm["boot"]], timeout=1.0, relay=RelaySettings(ca_file=swarm["ca"].ca), kernel=kernel()) as moe:
+        bb = Backbone(model, kernel())
+        async with backbone_session(backbone_id, model, [swarm["boot"]], timeout=1.0, relay=RelaySettings(ca_file=swarm["ca"].ca), kernel=bb.kernel) as moe:
             await wait_for_hosts(moe, model.layers, 1, 60)
-
-            def go():
-                out = []
-                for i, (t, _) in enumerate(generate(Backbone(model, moe.fallback.kernel), ids, n, moe.hook)):
-                    out.append(t)
-                    chaos(i)
-                return out
-
-            return await asyncio.to_thread(go), moe
+            return await generate_off_loop(bb, moe.hook, ids, n, chaos), moe
 
     with structlog.testing.capture_logs() as logs:
         out, moe = asyncio.run(run())
