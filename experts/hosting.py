@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .errors import SliceError
 from .gguf_model import ExpertRange, GGUFModel
-from .kernels import Kernel, ReferenceKernel
+from .kernels import Kernel
 from .moe import ExpertSource
 from .packed_experts import PackedExperts
 from .slices import ExpertStore, hosted_part
@@ -57,12 +57,12 @@ def float_bytes(model: GGUFModel, layers: range, experts: ExpertRange) -> int:
     return 3 * cfg.n_ff_exp * cfg.n_embd * 4 * sum(map(cfg.is_moe, layers)) * len(experts)
 
 
-def plan_load(model: GGUFModel, kernel: Kernel, memory_budget: int | None = None, layers: range | None = None, experts: ExpertRange | None = None) -> LoadPlan:
+def plan_load(model: GGUFModel, kernel: Kernel | type[Kernel], memory_budget: int | None = None, layers: range | None = None, experts: ExpertRange | None = None) -> LoadPlan:
     """The cheapest-to-compute way to hold *layers* x *experts* within *memory_budget* bytes, or a SliceError."""
     layers, experts = hosted_part(model, layers, experts)
     packed = packed_bytes(model, layers, experts)
     floats = float_bytes(model, layers, experts)
-    if not isinstance(kernel, ReferenceKernel):
+    if not kernel.dequantizes:
         mode, resident = "packed", packed
     elif memory_budget is None or floats <= memory_budget:
         mode, resident = "cached", floats

@@ -12,7 +12,7 @@ Every kernel must be *batch invariant*: a row's output bits depend only on that 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import gguf
 import numpy as np
@@ -49,6 +49,9 @@ class Kernel(Protocol):
     """What the engine needs from a compute kernel."""
 
     identity: KernelIdentity
+    # True: the kernel computes on float32 weights it dequantizes per call, so a float32 cache of the hosted experts
+    # buys speed (memory permitting); False: it computes on the packed bytes themselves, and a cache buys nothing.
+    dequantizes: ClassVar[bool]
 
     def matmul(self, x: np.ndarray, weight: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> np.ndarray:
         """x (m, k) float32 times the packed weight of numpy *shape* (n, k), transposed: (m, n) float32."""

@@ -9,7 +9,6 @@ on the batch. ``ggml`` is the default because it is the fast one; ``reference`` 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 from ..errors import KernelError
 from .base import Kernel
@@ -17,10 +16,7 @@ from .ggml_kernel import GgmlKernel
 from .reference import ReferenceKernel
 from .selftest import self_test
 
-KERNELS: dict[str, Callable[[int], Kernel]] = {
-    "ggml": lambda threads: GgmlKernel(threads=threads),
-    "reference": lambda threads: ReferenceKernel(threads=threads),
-}
+KERNELS: dict[str, type[GgmlKernel] | type[ReferenceKernel]] = {"ggml": GgmlKernel, "reference": ReferenceKernel}  # called with the thread count
 DEFAULT = "ggml"
 
 

@@ -70,6 +70,8 @@ def _ptr(a: np.ndarray) -> int:
 class GgmlKernel:
     """ggml CPU kernels; ``threads`` is the thread count of every ggml graph it runs."""
 
+    dequantizes = False
+
     def __init__(self, threads: int = 1) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")

@@ -27,6 +27,7 @@ class ReferenceKernel:
     """numpy + gguf-py dequantization; every quant type gguf-py reads."""
 
     identity = KernelIdentity(library="numpy", version=np.__version__, build=("gguf-" + version("gguf"),))
+    dequantizes = True
 
     def __init__(self, threads: int = 1) -> None:
         self.threads = threads  # BLAS threads are the process's (OPENBLAS_NUM_THREADS); kept for a uniform signature

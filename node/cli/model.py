@@ -90,7 +90,7 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
     er = parse_range(experts_, m.cfg.n_expert, "expert") if experts_ else None
     hosted = ExpertRange(er.start, er.stop) if er else m.experts
     budget = parse_size(memory_budget) if memory_budget else None
-    plan = plan_load(m, KERNELS[kernel_name](1), budget, lr, hosted)  # a SliceError (one line) if it does not fit
+    plan = plan_load(m, KERNELS[kernel_name], budget, lr, hosted)  # a SliceError (one line) if it does not fit
     info = {
         "path": str(m.path),
         "model_digest": m.digest,

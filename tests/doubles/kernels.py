@@ -12,6 +12,8 @@ class VaryingKernel:
     (what a kernel that switches to a repacked path for big batches does) or, with ``neighbours=True``,
     depending on what the other rows hold."""
 
+    dequantizes = True
+
     def __init__(self, batch: int = 8, neighbours: bool = False) -> None:
         self.inner = ReferenceKernel()
         self.batch = batch
