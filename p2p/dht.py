@@ -47,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -174,6 +175,7 @@ class _Node:
         self.changed = trio.Event()  # wakes the refresh loop
         self.puts = trio.CapacityLimiter(PARALLEL_PUTS)
         self.rpcs = trio.CapacityLimiter(PARALLEL_RPCS)
+        self.walks: deque[Walk] = deque(maxlen=256)  # the last walks' shape, for `moeswarm bench dht`
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[trio.Nursery]:
@@ -425,11 +427,19 @@ class _Node:
                 with trio.move_on_after(QUERY_TIMEOUT):
                     known.update(p for p in await ask(peer) if lib.speaks_kad(self.host, p) is not False)
 
+        rounds = 0
         while batch := [p for p in lib.sort_by_distance(key, list(known))[:WALK_WIDTH] if p not in asked][:ALPHA]:
             asked.update(batch)
+            rounds += 1
             async with trio.open_nursery() as nursery:
                 for peer in batch:
                     nursery.start_soon(ask_one, peer)
+        self.walks.append(Walk(rounds, len(asked) - 1))
+
+    async def take_walks(self) -> list[Walk]:
+        out = list(self.walks)
+        self.walks.clear()
+        return out
 
     async def _find_providers(self, key: bytes, out: set[Any]) -> None:
         out.update(info.peer_id for info in self.dht.provider_store.get_providers(key))
@@ -485,6 +495,14 @@ class _Node:
 
     async def routing_peers(self) -> list[str]:
         return sorted(p.to_base58() for p in self.dht.routing_table.get_peer_ids())
+
+
+@dataclass(frozen=True)
+class Walk:
+    """One iterative lookup: its rounds of ALPHA parallel queries (Kademlia's hops) and the peers it asked."""
+
+    rounds: int
+    asked: int
 
 
 def _ms_since(started: float) -> float:
@@ -560,6 +578,10 @@ class LibP2PDiscovery:
     async def routing_peers(self) -> list[str]:
         """Peer ids in this node's Kademlia routing table (servers only)."""
         return await self._call(self._node.routing_peers)
+
+    async def take_walks(self) -> list[Walk]:
+        """The walks (hops, peers asked) since the last call: what a lookup cost."""
+        return await self._call(self._node.take_walks)
 
     async def close(self) -> None:
         await asyncio.wrap_future(self._thread.stop())

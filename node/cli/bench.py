@@ -103,6 +103,27 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
     publish(result, "moeswarm bench dispatch --json", write_md=write_md, as_json=as_json, lines=lines)
 
 
+@bench_group.command("dht")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--nodes", "n_nodes", default=200, show_default=True, type=click.IntRange(4), help="Real py-libp2p DHT nodes on loopback.")
+@click.option("--procs", default=8, show_default=True, type=click.IntRange(1), help="Processes sharing the nodes (one trio thread per node).")
+@click.option("--layers", default=8, show_default=True, type=click.IntRange(1), help="Layers the nodes' records cover (nodes / layers announcers each).")
+@click.option("--lookups", default=200, show_default=True, type=click.IntRange(1), help="Lookups per phase, from random nodes.")
+@click.option("--churn", default=0.2, show_default=True, type=click.FloatRange(0, 0.9), help="Fraction of nodes killed (no withdraw) between the phases.")
+@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
+def bench_dht(as_json: bool, n_nodes: int, procs: int, layers: int, lookups: int, churn: float, write_md: str | None) -> None:
+    """Lookup hops vs log2 N, latency percentiles and the fraction of live hosts found, before and after churn."""
+    from node.bench import dht
+
+    result = dht.run(n_nodes, procs, layers, lookups, churn, ttl=600.0)
+    lines = [f"{n_nodes} nodes (log2 N = {result['log2_nodes']}), started in {result['start_s']} s"]
+    for phase in ("before_churn", "after_churn"):
+        r = result[phase]
+        lines.append(f"{phase}: hops median {r['hops']['median']} (p90 {r['hops']['p90']}), latency p50/p90/p99 {r['latency_ms']['p50']}/{r['latency_ms']['p90']}/{r['latency_ms']['p99']} ms, "
+                     f"found {r['found_fraction']['mean']:.1%} of live hosts (all of them in {r['found_fraction']['all_found']:.1%} of lookups), dead named {r['dead_hosts_named']}")  # fmt: skip
+    publish(result, f"moeswarm bench dht --json --nodes {n_nodes} --procs {procs} --churn {churn}", write_md=write_md, as_json=as_json, lines=lines)
+
+
 @bench_group.command("wan")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--rtt-ms", "rtts", default="0,20,80", show_default=True, help="Comma-separated RTTs between the backbone and the workers.")

@@ -1,0 +1,184 @@
+"""`moeswarm bench dht`: a swarm of real py-libp2p DHT nodes on loopback, lookups before and after churn.
+
+Several processes (py-libp2p's trio loop runs one node per thread; a process holds many) each start
+a share of the nodes; every node announces one host record for a (fake) model's layer, as a worker
+would. The parent then asks each process for lookups from random nodes of its own and gathers:
+Kademlia hops (rounds of ALPHA parallel queries of the longest provider walk in a lookup) against
+log2 N, lookup latency percentiles, and the fraction of a layer's live announcers each lookup found.
+Then it kills a fraction of the nodes without warning (no withdraw: as a crashed worker leaves) and
+measures again: found fraction among the live, and how many dead hosts the records still name
+(they expire with their TTL).
+
+Processes talk to the parent over stdin/stdout, one JSON line per command and answer; every wait is
+bounded. Loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from node.bench.common import BenchmarkError
+
+MODEL = "ab" * 32  # a record names a model by digest; no weights are involved
+START_TIMEOUT = 600.0
+COMMAND_TIMEOUT = 900.0
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return round(float(np.percentile(xs, q)), 1) if xs else None
+
+
+# -- the child: a share of the nodes
+
+
+async def _child(n_nodes: int, layers: int, bootstrap: list[str], seed: int, ttl: float) -> None:
+    from p2p.dht import LibP2PDiscovery
+    from p2p.identity import Identity
+    from p2p.records import HostedSlice
+
+    rng = random.Random(seed)
+    nodes: list[LibP2PDiscovery] = []
+    for _ in range(n_nodes):
+        d = LibP2PDiscovery(Identity.generate(), bootstrap=bootstrap or [a for n in nodes[:1] for a in n.multiaddrs], ttl=ttl, lookup_timeout=20.0)
+        await d.start()
+        nodes.append(d)
+    layer_of = {str(d.peer_id): (seed * 7919 + i) % layers for i, d in enumerate(nodes)}
+    await asyncio.gather(*(d.announce([HostedSlice(MODEL, layer_of[str(d.peer_id)], ((0, 8),), quic_addr="127.0.0.1:9")]) for d in nodes))
+    print(json.dumps({"ready": True, "addrs": [a for d in nodes for a in d.multiaddrs][:1], "peers": layer_of}), flush=True)
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        cmd = json.loads(line)
+        if cmd["do"] == "lookup":
+            out = []
+            for _ in range(cmd["n"]):
+                d, layer = rng.choice(nodes), rng.randrange(layers)
+                await d.take_walks()
+                t0 = time.perf_counter()
+                records = await d.lookup(MODEL, layer)
+                ms = (time.perf_counter() - t0) * 1e3
+                walks = await d.take_walks()
+                out.append({"layer": layer, "ms": ms, "hops": max((w.rounds for w in walks), default=0), "asked": sum(w.asked for w in walks),
+                            "found": sorted({str(r.peer_id) for r in records})})  # fmt: skip
+            print(json.dumps({"lookups": out}), flush=True)
+        elif cmd["do"] == "kill":
+            gone = rng.sample(nodes, round(len(nodes) * cmd["fraction"]))
+            await asyncio.gather(*(d.close() for d in gone))
+            nodes = [d for d in nodes if d not in gone]
+            print(json.dumps({"killed": [str(d.peer_id) for d in gone]}), flush=True)
+        elif cmd["do"] == "quit":
+            break
+    await asyncio.gather(*(d.close() for d in nodes), return_exceptions=True)
+
+
+def child_main() -> None:
+    n, layers, seed, ttl = (int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+    from node.logs import configure_logging
+
+    configure_logging("error")  # stdout is the parent's channel
+    asyncio.run(_child(n, layers, sys.argv[6:], seed, ttl))
+
+
+# -- the parent
+
+
+class _Proc:
+    def __init__(self, n: int, layers: int, seed: int, ttl: float, bootstrap: list[str]) -> None:
+        cmd = [sys.executable, "-m", "node.bench.dht", "child", str(n), str(layers), str(seed), str(ttl), *bootstrap]
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def read(self, timeout: float) -> dict:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        assert self.p.stdout is not None
+        sel.register(self.p.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise BenchmarkError(f"a DHT process did not answer within {timeout:.0f} s")
+        line = self.p.stdout.readline()
+        if not line:
+            raise BenchmarkError(f"a DHT process exited ({self.p.poll()})")
+        return json.loads(line)
+
+    def send(self, **cmd: object) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+
+    def close(self) -> None:
+        try:
+            self.send(do="quit")
+            self.p.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            self.p.kill()
+            self.p.wait()
+
+
+def _phase(procs: list[_Proc], lookups: int, live: dict[str, int], dead: set[str]) -> dict:
+    per = max(1, lookups // len(procs))
+    for p in procs:
+        p.send(do="lookup", n=per)
+    rows = [row for p in procs for row in p.read(COMMAND_TIMEOUT)["lookups"]]
+    found, stale = [], 0
+    for r in rows:
+        want = {peer for peer, layer in live.items() if layer == r["layer"]}
+        got = set(r["found"])
+        found.append(len(got & want) / len(want) if want else 1.0)
+        stale += len(got & dead)
+    ms = [r["ms"] for r in rows]
+    hops = [r["hops"] for r in rows]
+    return {
+        "lookups": len(rows),
+        "hops": {"median": float(np.median(hops)), "p90": _pct(hops, 90), "max": max(hops)},
+        "peers_asked_median": float(np.median([r["asked"] for r in rows])),
+        "latency_ms": {"p50": _pct(ms, 50), "p90": _pct(ms, 90), "p99": _pct(ms, 99)},
+        "found_fraction": {"mean": round(float(np.mean(found)), 4), "min": round(min(found), 4), "all_found": round(sum(f == 1.0 for f in found) / len(found), 4)},
+        "dead_hosts_named": stale,
+    }
+
+
+def run(n_nodes: int, procs: int, layers: int, lookups: int, churn: float, ttl: float) -> dict:
+    if n_nodes < 2 * procs:
+        raise BenchmarkError("--nodes must be at least twice --procs")
+    t0 = time.monotonic()
+    first = _Proc(1, layers, 0, ttl, [])  # the bootstrap: one node in a process of its own
+    started = [first]
+    try:
+        ready = [first.read(START_TIMEOUT)]
+        boot = ready[0]["addrs"]
+        shares = [len(r) for r in np.array_split(np.arange(n_nodes - 1), procs)]
+        started += [_Proc(k, layers, i + 1, ttl, boot) for i, k in enumerate(shares)]
+        ready += [p.read(START_TIMEOUT) for p in started[1:]]
+        live: dict[str, int] = {peer: layer for r in ready for peer, layer in r["peers"].items()}
+        start_s = time.monotonic() - t0
+        before = _phase(started, lookups, live, set())
+        killed: set[str] = set()
+        for p in started[1:]:
+            p.send(do="kill", fraction=churn)
+        for p in started[1:]:
+            killed |= set(p.read(COMMAND_TIMEOUT)["killed"])
+        after = _phase(started, lookups, {k: v for k, v in live.items() if k not in killed}, killed)
+    finally:
+        for p in started:
+            p.close()
+    return {
+        "nodes": n_nodes,
+        "processes": procs + 1,
+        "layers": layers,
+        "log2_nodes": round(math.log2(n_nodes), 2),
+        "start_s": round(start_s, 1),
+        "before_churn": before,
+        "churn": {"killed": len(killed), "fraction": churn},
+        "after_churn": after,
+    }
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
+    child_main()
