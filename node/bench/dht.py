@@ -19,8 +19,10 @@ import asyncio
 import json
 import math
 import random
+import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -83,6 +85,8 @@ def child_main() -> None:
     from node.logs import configure_logging
 
     configure_logging("error")  # stdout is the parent's channel
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # dozens of nodes, each with a connection per peer
     asyncio.run(_child(n, layers, sys.argv[6:], seed, ttl))
 
 
@@ -92,7 +96,12 @@ def child_main() -> None:
 class _Proc:
     def __init__(self, n: int, layers: int, seed: int, ttl: float, bootstrap: list[str]) -> None:
         cmd = [sys.executable, "-m", "node.bench.dht", "child", str(n), str(layers), str(seed), str(ttl), *bootstrap]
-        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.err = tempfile.TemporaryFile("w+")
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
+
+    def tail(self) -> str:
+        self.err.seek(0)
+        return "".join(self.err.readlines()[-6:]).strip()
 
     def read(self, timeout: float) -> dict:
         import selectors
@@ -101,10 +110,10 @@ class _Proc:
         assert self.p.stdout is not None
         sel.register(self.p.stdout, selectors.EVENT_READ)
         if not sel.select(timeout):
-            raise BenchmarkError(f"a DHT process did not answer within {timeout:.0f} s")
+            raise BenchmarkError(f"a DHT process did not answer within {timeout:.0f} s: {self.tail()}")
         line = self.p.stdout.readline()
         if not line:
-            raise BenchmarkError(f"a DHT process exited ({self.p.poll()})")
+            raise BenchmarkError(f"a DHT process exited ({self.p.poll()}): {self.tail()}")
         return json.loads(line)
 
     def send(self, **cmd: object) -> None:
@@ -168,6 +177,7 @@ def run(n_nodes: int, procs: int, layers: int, lookups: int, churn: float, ttl: 
     finally:
         for p in started:
             p.close()
+            p.err.close()
     return {
         "nodes": n_nodes,
         "processes": procs + 1,

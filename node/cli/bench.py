@@ -124,6 +124,26 @@ def bench_dht(as_json: bool, n_nodes: int, procs: int, layers: int, lookups: int
     publish(result, f"moeswarm bench dht --json --nodes {n_nodes} --procs {procs} --churn {churn}", write_md=write_md, as_json=as_json, lines=lines)
 
 
+@bench_group.command("soak")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--minutes", default=30.0, show_default=True, type=click.FloatRange(0.1))
+@click.option("--churn-every", default=5.0, show_default=True, type=click.FloatRange(0.5), help="Seconds between stopping one worker (SIGKILL and SIGTERM alternately).")
+@click.option("--down", "down_s", default=10.0, show_default=True, type=click.FloatRange(0), help="Seconds a stopped worker stays away.")
+@click.option("--relay-every", default=120.0, show_default=True, type=click.FloatRange(1), help="Seconds between relay restarts.")
+@click.option("--max-requests", default=100_000, show_default=True, type=click.IntRange(1), help="Per session, a bound besides the time.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
+def bench_soak(as_json: bool, minutes: float, churn_every: float, down_s: float, relay_every: float, max_requests: int, seed: int, write_md: str | None) -> None:
+    """A gateway with 8 greedy sessions while workers leave and rejoin and the relay restarts: lost/wrong tokens, p99."""
+    from node.bench import soak
+
+    r = soak.run(minutes, churn_every, down_s, relay_every, max_requests, seed)
+    lines = [f"{r['minutes']} min, {r['sessions']} sessions: {r['requests_ok']} requests ({r['tokens']} tokens), {r['wrong_answers']} wrong, {r['failed_requests']} failed",
+             f"request latency p50/p90/p99 {r['request_latency_ms']['p50']}/{r['request_latency_ms']['p90']}/{r['request_latency_ms']['p99']} ms; per token p50/p99 {r['per_token_ms']['p50']}/{r['per_token_ms']['p99']} ms",
+             f"churn: {r['churn']}"]  # fmt: skip
+    publish(r, f"moeswarm bench soak --json --minutes {minutes:g} --churn-every {churn_every:g} --relay-every {relay_every:g}", write_md=write_md, as_json=as_json, lines=lines)
+
+
 @bench_group.command("wan")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--rtt-ms", "rtts", default="0,20,80", show_default=True, help="Comma-separated RTTs between the backbone and the workers.")
