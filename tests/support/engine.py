@@ -7,11 +7,13 @@ computes it), so every swarm test also checks that the thread count changes no b
 
 from __future__ import annotations
 
-from experts.forward import Backbone
+from experts.forward import Backbone, local_moe
+from experts.generate import Sampling, generate
 from experts.gguf_model import GGUFModel
 from experts.hosting import open_experts
 from experts.kernels import Kernel, make_kernel
-from experts.moe import ExpertSource
+from experts.moe import ExpertSource, Partition, grouped_moe
+from experts.tokenizer import Tokenizer
 
 
 def kernel() -> Kernel:
@@ -22,3 +24,21 @@ def local_engine(model: GGUFModel) -> tuple[Backbone, ExpertSource]:
     """The dense part and every expert of *model*, computed by ``kernel()``."""
     k = kernel()
     return Backbone(model, k), open_experts(model, k)[0]
+
+
+def local_completion(engine: tuple[Backbone, ExpertSource], tok: Tokenizer, part: Partition, prompt: str, n: int, sampling: Sampling = Sampling(), stops: tuple[str, ...] = ()) -> tuple[str, int]:
+    """The text (and token count) single-process ``generate`` gives with the workers' grouping *part*, cut as the
+    gateway cuts it (at end of sequence or before the first stop string)."""
+    bb, store = engine
+
+    def moe(i, x, e, w):
+        return grouped_moe(store, part, i, x, e, w)
+
+    out: list[int] = []
+    text = ""
+    for t, _ in generate(bb, tok.encode(prompt), n, local_moe(moe), sampling=sampling, stop={tok.eos_id}):
+        out.append(t)
+        text = tok.decode([t for t in out if t != tok.eos_id])
+        if any(s in text for s in stops):
+            return text[: min(text.find(s) for s in stops if s in text)], len(out)
+    return text, len(out)
