@@ -66,6 +66,7 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         moe = RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0], loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price)
         stack.push_async_callback(moe.close)
         maintaining = asyncio.create_task(moe.maintain(model.moe_layers, route_refresh))
+        maintaining.add_done_callback(_report_crash)
         stack.push_async_callback(_cancel, maintaining)
         yield moe
 
@@ -73,6 +74,13 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
 async def _cancel(task: asyncio.Task) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+def _report_crash(task: asyncio.Task) -> None:
+    """The route refresh died of an error it does not expect (it survives DiscoveryError): routes stay as they were,
+    dispatch goes on (local compute covers hosts that leave), and the operator sees why."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("routes.maintain_crashed", error=repr(task.exception()))
 
 
 def _hot_experts(model: GGUFModel, n: int, memory: int | None) -> HotExperts | None:

@@ -132,7 +132,7 @@ def test_a_killed_worker_is_waited_on_once_and_its_replacement_is_used(model, pa
         stats = dispatch_stats(url)
     assert stats["failed_by_peer"].get(victim_id) == 1  # the one dispatch in flight, or the first after the kill
     assert len(events(gw, "dispatch.failed", victim_id)) == 1
-    assert stats["per_peer"][replacement] > 0 and stats["failed_by_peer"].get(replacement) is None
+    assert stats["per_peer"][replacement] > 0
     assert done and all(text == local[prompt] for prompt, text in done)
 
 
