@@ -160,6 +160,11 @@ class DispatchStats:
         return {"p50": _p50([ms for _, ms in self.layers]) if self.layers else None, "by_fanout": {n: {"p50": _p50(xs), "n": len(xs)} for n, xs in sorted(by_fanout.items())}}
 
 
+def _finished(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # a DispatchFailed already charged to its host: retrieved, so asyncio does not report it lost
+
+
 class RemoteMoE:
     """Dispatches a model's MoE layers to workers found through *discovery*."""
 
@@ -181,6 +186,7 @@ class RemoteMoE:
         ledger: LedgerSink | None = None,
         hot: HotExperts | None = None,
         max_price: int | None = None,
+        hedge: bool = False,
     ) -> None:
         """Everything the dispatcher needs, complete: *codec* must already be allowed for the model (the
         composition root checks the verdict store), *loop* owns *connector*'s endpoint (:meth:`hook` is
@@ -201,7 +207,8 @@ class RemoteMoE:
         self.ledger = ledger  # every verified receipt, and every dispute, is appended (off the hot path)
         self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
         self.loop = loop
-        self._probes: set[asyncio.Task] = set()
+        self.hedge = hedge  # ask the next replica too when a group's host is late (Router.hedge_after)
+        self._tasks: set[asyncio.Future] = set()  # probes and hedged dispatches that lost, finishing in the background
 
     async def refresh(self, layers: Sequence[int], *, fresh: bool = False) -> None:
         """Look up every layer's hosts (through the discovery cache unless *fresh*) and rebuild the routes."""
@@ -225,10 +232,10 @@ class RemoteMoE:
                 log.warning("routes.refresh_failed", error=str(exc))
 
     async def close(self) -> None:
-        """Cancel the probes still in flight (their hosts are not charged for it)."""
-        for task in self._probes:
+        """Cancel the probes and hedged dispatches still in flight (their hosts are not charged for it)."""
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._probes, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None) -> Future:
         """The ``moe_ffn`` for :class:`experts.forward.Backbone`, called off the loop thread.
@@ -282,19 +289,56 @@ class RemoteMoE:
         plan = self.router.plan(route, group, time.monotonic(), prefer=pins.get(key) if pins else None)
         for host in plan.probe:  # benched or demoted: never waited on, asked in the background with the same data
             self._background(self._probe(host, layer, x, ids, w, held))
-        for host in plan.ask:
-            if self.router.health[host.peer_id].failures:  # it failed for another group since the plan was made
+        tried: set[PeerId] = set()
+        for i, host in enumerate(plan.ask):
+            if host.peer_id in tried or self.router.health[host.peer_id].failures:  # failed since the plan was made
                 continue
+            backup = next((h for h in plan.ask[i + 1 :] if not self.router.health[h.peer_id].failures), None) if self.hedge else None
             try:
-                sums = await self._send(host, layer, x, ids, w, held, timeout=self.router.deadline(host.peer_id, x.shape[0], self.timeout))
-                if pins is not None:
-                    pins[key] = host.peer_id
-                return sums
-            except DispatchFailed as exc:
-                self._failed(host, layer, exc, probe=False)
+                winner, sums = await self._ask(host, backup, tried, layer, x, ids, w, held)
+            except DispatchFailed:
+                continue
+            if pins is not None:
+                pins[key] = winner.peer_id
+            return sums
         self.stats.local_groups += 1
         log.info("dispatch.local", layer=layer, group=list(route.partition.bounds[group]), n_tokens=x.shape[0])
         return await self._local(layer, x, ids, w, held)
+
+    async def _ask(self, host: Host, backup: Host | None, tried: set[PeerId], layer: int, x, ids, w, held) -> tuple[Host, np.ndarray]:
+        """Ask *host*; with a *backup* (hedging) ask it too once *host* is later than ``Router.hedge_after``. The first
+        good answer wins; the slower dispatch finishes in the background (its receipt kept, its round trip measured).
+        Raises DispatchFailed when every host asked failed (each already charged by ``_failed``)."""
+        tried.add(host.peer_id)
+        hedge_s = self.router.hedge_after(host.peer_id, x.shape[0]) if backup is not None else None
+        if backup is None or hedge_s is None:
+            return host, await self._attempt(host, layer, x, ids, w, held)
+        tasks = {asyncio.ensure_future(self._attempt(host, layer, x, ids, w, held)): host}
+        done, _ = await asyncio.wait(tasks, timeout=hedge_s)
+        if not done:
+            tried.add(backup.peer_id)
+            log.info("dispatch.hedged", peer=str(host.peer_id), backup=str(backup.peer_id), layer=layer, after_ms=round(hedge_s * 1e3, 3))
+            tasks[asyncio.ensure_future(self._attempt(backup, layer, x, ids, w, held))] = backup
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if (exc := t.exception()) is not None and not isinstance(exc, DispatchFailed):
+                    raise exc  # a bug, not a host failing
+            good = next((t for t in done if t.exception() is None), None)
+            if good is not None:
+                for task in pending:
+                    self._keep(task)
+                return tasks[good], good.result()
+        raise DispatchFailed(f"{len(tasks)} hosts asked, none answered")
+
+    async def _attempt(self, host: Host, layer: int, x, ids, w, held) -> np.ndarray:
+        """One dispatch within *host*'s deadline; a failure is charged to it (``_failed``) and re-raised."""
+        try:
+            return await self._send(host, layer, x, ids, w, held, timeout=self.router.deadline(host.peer_id, x.shape[0], self.timeout))
+        except DispatchFailed as exc:
+            self._failed(host, layer, exc, probe=False)
+            raise
 
     async def _probe(self, host: Host, layer: int, x, ids, w, held) -> None:
         """Ask a benched or demoted host for a group already answered locally: an answer makes it ready again."""
@@ -318,9 +362,13 @@ class RemoteMoE:
             log.warning("route.demoted", peer=str(host.peer_id), timeouts=health.timeouts, demotions=health.demotions, next_probe_s=next_probe_s)
 
     def _background(self, job: Coroutine) -> None:
-        task = asyncio.ensure_future(job)
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self._keep(asyncio.ensure_future(job))
+
+    def _keep(self, task: asyncio.Future) -> None:
+        """Let *task* finish in the background (cancelled by :meth:`close`); its failure was charged where it happened."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_finished)
 
     async def _send(self, host: Host, layer: int, x, ids, w, held, *, timeout: float, probe: bool = False) -> np.ndarray:
         """One request to *host*, waiting at most *timeout* s; raises DispatchFailed (HostTimedOut, HostDraining)."""

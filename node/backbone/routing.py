@@ -48,6 +48,8 @@ ROUTE_REFRESH_S = 3.0  # routes are re-read this often: a new host is asked with
 DEADLINE_K = 4.0  # a dispatch may take this many times its host's predicted round trip ...
 DEADLINE_MARGIN_S = 0.25  # ... plus this (scheduling noise on either side) ...
 DEADLINE_FLOOR_S = 1.0  # ... and never less than this, nor more than the configured timeout
+HEDGE_K = 2.0  # with hedging on, a second replica is asked once the first took this many times its predicted round trip
+HEDGE_FLOOR_S = 0.005  # ... but not sooner (a loopback round trip predicts ~1 ms; scheduling noise is larger)
 SIMILAR_RTT = 1.25  # replicas whose expected waits differ by less than this factor compete on price
 
 
@@ -178,11 +180,22 @@ class Router:
         ``DEADLINE_K`` x the round trip its measurements predict (network RTT + per-token compute) +
         ``DEADLINE_MARGIN_S``, at least ``DEADLINE_FLOOR_S``, at most *cap*; *cap* itself for a host not yet measured.
         """
+        predicted_s = self._predicted_s(peer, n_tokens)
+        if predicted_s is None:
+            return cap
+        return min(cap, max(DEADLINE_FLOOR_S, DEADLINE_K * predicted_s + DEADLINE_MARGIN_S))
+
+    def hedge_after(self, peer: PeerId, n_tokens: int) -> float | None:
+        """Seconds after which an unanswered dispatch to *peer* is also sent to the next replica (hedging):
+        ``HEDGE_K`` x its predicted round trip, at least ``HEDGE_FLOOR_S``; None for a host not yet measured."""
+        predicted_s = self._predicted_s(peer, n_tokens)
+        return None if predicted_s is None else max(HEDGE_FLOOR_S, HEDGE_K * predicted_s)
+
+    def _predicted_s(self, peer: PeerId, n_tokens: int) -> float | None:
         h = self.health[peer]
         if h.rtt_ms is None or h.compute_ms_per_token is None:
-            return cap
-        predicted_s = (h.rtt_ms + n_tokens * h.compute_ms_per_token) / 1e3
-        return min(cap, max(DEADLINE_FLOOR_S, DEADLINE_K * predicted_s + DEADLINE_MARGIN_S))
+            return None
+        return (h.rtt_ms + n_tokens * h.compute_ms_per_token) / 1e3
 
     def _ranked(self, group_hosts: list[Host], now: float, prefer: PeerId | None) -> list[Host]:
         hosts = [h for h in group_hosts if self.health[h.peer_id].banned_until <= now]

@@ -156,3 +156,15 @@ def test_maintain_picks_up_a_host_announced_later():
 
     hosts, first, later = asyncio.run(main())
     assert hosts == [[first], [later]]
+
+
+def test_hedge_after_is_a_multiple_of_the_predicted_round_trip():
+    """A measured host is hedged after HEDGE_K x its predicted round trip (at least the floor); an unmeasured one never."""
+    a = Identity.generate()
+    router = Router(n_expert=8)
+    router.update(0, [record(a, [(0, 8)], 1)])
+    assert router.hedge_after(a.peer_id, 4) is None
+    answered(router, a.peer_id, rtt_ms=10.0, compute_ms=8.0, n_tokens=4)  # 2 ms per token
+    assert router.hedge_after(a.peer_id, 4) == pytest.approx(routing.HEDGE_K * 0.018)
+    router.health[a.peer_id].rtt_ms = router.health[a.peer_id].compute_ms_per_token = 0.0
+    assert router.hedge_after(a.peer_id, 1) == routing.HEDGE_FLOOR_S
