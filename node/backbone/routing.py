@@ -42,7 +42,7 @@ LEAVING_S = 60.0  # longer than a drain (withdraw, then finish within its deadli
 DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones
 EWMA = 0.2
 BENCH = Backoff(first=1.0, cap=60.0)  # seconds until a failed host's next probe, doubling per consecutive failure
-DEMOTE_AFTER = 3  # consecutive timeouts that demote a host (a sybil, a dead or overloaded worker) for the session
+DEMOTE_AFTER = 3  # consecutive timeouts that demote a host (a sybil, a dead or overloaded worker): rarely probed from then on
 DEMOTED = Backoff(first=30.0, cap=600.0)  # seconds between probes of a demoted host, doubling per demotion
 ROUTE_REFRESH_S = 3.0  # routes are re-read this often: a new host is asked within about this long (one DHT lookup per MoE layer each time)
 DEADLINE_K = 4.0  # a dispatch may take this many times its host's predicted round trip ...
