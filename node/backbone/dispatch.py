@@ -4,9 +4,12 @@ For a layer, every group of the partition that owns at least one selected expert
 gets one request, all in flight at once (layer latency = slowest host, not the
 sum). Replies are combined in group order (the protocol's combine order), so
 with an F32 wire the result equals :func:`experts.moe.grouped_moe` bit for bit.
-A host that errs or times out is benched and the group goes to the next replica,
-and finally to local compute from the backbone's own copy of the experts: a
-token's output never depends on which path answered.
+A host that errs or misses its deadline is benched and the group goes to the
+next ready replica, and finally to local compute from the backbone's own copy
+of the experts: a token's output never depends on which path answered. Benched
+and demoted hosts are only probed, in the background (``routing``'s table), and
+:meth:`RemoteMoE.maintain` keeps re-reading the routes, so a departed host costs
+at most one deadline and a new one is asked within a refresh interval.
 
 The numpy forward is synchronous; it runs on a worker thread and calls
 :meth:`RemoteMoE.hook`, which hands each layer to the asyncio loop that owns the
@@ -20,7 +23,7 @@ import dataclasses
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -33,7 +36,7 @@ from experts.errors import MoeSwarmError
 from experts.moe import ExpertSource, combine
 from node.backbone.heads import HeadExchange
 from node.backbone.hot import HotExperts
-from node.backbone.routing import Host, Router
+from node.backbone.routing import Host, LayerRoute, Router
 from node.backbone.spotcheck import SpotChecker, compare
 from node.ledger.receipts import (
     Receipt,
@@ -46,10 +49,10 @@ from node.ledger.receipts import (
 from node.ledger.sink import LedgerSink
 from p2p import wire
 from p2p.connector import Connector
-from p2p.discovery import Discovery
+from p2p.discovery import Discovery, DiscoveryError
 from p2p.identity import PeerId
 from p2p.pathkind import Path
-from p2p.quic import TransportError
+from p2p.quic import TransportError, TransportTimeout
 
 log = structlog.get_logger("node.backbone.dispatch")
 KEEP_RECENT = 100_000
@@ -65,6 +68,10 @@ class DispatchFailed(MoeSwarmError):
 
 class HostDraining(DispatchFailed):
     """The host refused with DRAINING: it is shutting down, did no work, and takes none until it is back."""
+
+
+class HostTimedOut(DispatchFailed):
+    """No answer within the dispatch's deadline (counted towards demotion: a dead, overloaded or sybil host)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,8 @@ class DispatchRecord:
     latency_ms: float
     ok: bool
     worker_ms: float = 0.0  # the worker's own time for it (decode, compute, encode, sign), from its reply
+    probe: bool = False  # sent in the background to a benched or demoted host; the group was computed locally
+    timed_out: bool = False
     at: float = field(default_factory=time.monotonic)
 
 
@@ -106,7 +115,13 @@ class DispatchStats:
     layers: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=KEEP_RECENT))
 
     def summary(self) -> dict:
-        ok = [r for r in self.records if r.ok]
+        probes = [r for r in self.records if r.probe]
+        asked = [r for r in self.records if not r.probe]
+        ok = [r for r in asked if r.ok]
+        waited: dict[str, int] = {}  # failed dispatches a layer waited on, per host (the cost churn has on tokens)
+        for r in asked:
+            if not r.ok:
+                waited[r.peer] = waited.get(r.peer, 0) + 1
         lat = np.array([r.latency_ms for r in ok]) if ok else np.zeros(1)
         per_peer: dict[str, int] = {}
         per_layer: dict[int, set[str]] = {}
@@ -119,7 +134,10 @@ class DispatchStats:
         visits = max(self.tokens_forwarded, 1)
         return {
             "dispatches": len(ok),
-            "failed_dispatches": len(self.records) - len(ok),
+            "failed_dispatches": len(asked) - len(ok),
+            "failed_by_peer": waited,
+            "timeouts_by_peer": {peer: sum(1 for r in asked if r.timed_out and r.peer == peer) for peer in waited},
+            "probes": {"ok": sum(1 for r in probes if r.ok), "failed": sum(1 for r in probes if not r.ok)},
             "local_groups": self.local_groups,
             "per_peer": per_peer,
             "hosts_per_layer": {layer: len(peers) for layer, peers in sorted(per_layer.items())},
@@ -143,6 +161,11 @@ class DispatchStats:
         return {"p50": _p50([ms for _, ms in self.layers]) if self.layers else None, "by_fanout": {n: {"p50": _p50(xs), "n": len(xs)} for n, xs in sorted(by_fanout.items())}}
 
 
+def _finished(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # a DispatchFailed already charged to its host: retrieved, so asyncio does not report it lost
+
+
 class RemoteMoE:
     """Dispatches a model's MoE layers to workers found through *discovery*."""
 
@@ -164,6 +187,7 @@ class RemoteMoE:
         ledger: LedgerSink | None = None,
         hot: HotExperts | None = None,
         max_price: int | None = None,
+        hedge: bool = False,
     ) -> None:
         """Everything the dispatcher needs, complete: *codec* must already be allowed for the model (the
         composition root checks the verdict store), *loop* owns *connector*'s endpoint (:meth:`hook` is
@@ -185,11 +209,38 @@ class RemoteMoE:
         self.heads = HeadExchange(ledger, connector, timeout=timeout) if ledger else None  # signed heads swapped with workers paid
         self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
         self.loop = loop
+        self.hedge = hedge  # ask the next replica too when a group's host is late (Router.hedge_after)
+        self._tasks: set[asyncio.Future] = set()  # probes and hedged dispatches that lost, finishing in the background
 
-    async def refresh(self, layers: Sequence[int]) -> None:
-        """Look up every layer's hosts (through the discovery cache) and rebuild the routes."""
-        for layer in layers:
-            self.router.update(layer, await self.discovery.lookup(self.model_digest, layer))
+    async def refresh(self, layers: Sequence[int], *, fresh: bool = False) -> None:
+        """Look up every layer's hosts (through the discovery cache unless *fresh*) and rebuild the routes."""
+        found = await asyncio.gather(*(self.discovery.lookup(self.model_digest, layer, fresh=fresh) for layer in layers))
+        for layer, records in zip(layers, found):
+            old = self.router.routes.get(layer)
+            new = self.router.update(layer, records)
+            if old is not None and old.peers() != new.peers():
+                log.info("routes.changed", layer=layer, added=sorted(map(str, new.peers() - old.peers())), removed=sorted(map(str, old.peers() - new.peers())))
+
+    async def maintain(self, layers: Sequence[int], interval: float) -> None:
+        """Re-read every layer's hosts from the DHT every *interval* seconds, until cancelled.
+
+        A lookup failure is logged and retried at the next interval; the routes in use stay as they were.
+        """
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.refresh(layers, fresh=True)
+            except DiscoveryError as exc:
+                log.warning("routes.refresh_failed", error=str(exc))
+
+    async def close(self) -> None:
+        """Cancel the probes and hedged dispatches still in flight (their hosts are not charged for it); swap ledger
+        heads a last time with the workers paid since the previous swap."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.heads:
+            await self.heads.close()
 
     def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None) -> Future:
         """The ``moe_ffn`` for :class:`experts.forward.Backbone`, called off the loop thread.
@@ -204,7 +255,8 @@ class RemoteMoE:
         t0 = time.perf_counter()
         if layer not in self.router.routes:
             await self.refresh(range(layer, layer + 1))
-        part = self.router.routes[layer].partition
+        route = self.router.routes[layer]  # this dispatch's split, whatever a refresh puts in its place meanwhile
+        part = route.partition
         is_hot = self.hot.hot(layer)[ids] if self.hot else np.zeros(ids.shape, dtype=bool)
         groups = [part.held_mask(g, ids) & ~is_hot for g in range(len(part.bounds))]
         jobs, present = [], []
@@ -212,7 +264,7 @@ class RemoteMoE:
             rows = held.any(axis=1)
             present.append(rows)
             if rows.any():
-                jobs.append((g, rows, self._group(layer, g, x[rows], np.where(held, ids, -1)[rows], w[rows], held[rows], pins)))
+                jobs.append((g, rows, self._group(layer, route, g, x[rows], np.where(held, ids, -1)[rows], w[rows], held[rows], pins)))
         if is_hot.any():  # the backbone's own hot experts: computed here while the round trips are in flight
             rows = is_hot.any(axis=1)
             present.append(rows)
@@ -221,7 +273,7 @@ class RemoteMoE:
         # Start the slowest round trip first: the layer ends with its slowest answer, which must not queue behind the
         # other sends (tasks run in creation order until their first await, i.e. until their request is on the wire).
         now = time.monotonic()
-        expected = [self.router.expected_ms(layer, g, now) if g < len(groups) else 0.0 for g, _, _ in jobs]
+        expected = [self.router.expected_ms(route, g, now) if g < len(groups) else 0.0 for g, _, _ in jobs]
         tasks = {j: asyncio.ensure_future(jobs[j][2]) for j in sorted(range(len(jobs)), key=lambda j: -expected[j])}
         results = await asyncio.gather(*(tasks[j] for j in range(len(jobs))))
         self.stats.layers.append((remote, (time.perf_counter() - t0) * 1e3))
@@ -237,25 +289,94 @@ class RemoteMoE:
         sums, _ = await loop.run_in_executor(None, self.fallback.partial_sum, layer, x, ids, w, held)
         return sums
 
-    async def _group(self, layer: int, group: int, x, ids, w, held, pins: Pins | None) -> np.ndarray:
-        key = (layer, self.router.routes[layer].partition.bounds[group])
-        for host in self.router.candidates(layer, group, time.monotonic(), prefer=pins.get(key) if pins else None):
+    async def _group(self, layer: int, route: LayerRoute, group: int, x, ids, w, held, pins: Pins | None) -> np.ndarray:
+        key = (layer, route.partition.bounds[group])
+        plan = self.router.plan(route, group, time.monotonic(), prefer=pins.get(key) if pins else None)
+        for host in plan.probe:  # benched or demoted: never waited on, asked in the background with the same data
+            self._background(self._probe(host, layer, x, ids, w, held))
+        tried: set[PeerId] = set()
+        for i, host in enumerate(plan.ask):
+            if host.peer_id in tried or self.router.health[host.peer_id].failures:  # failed since the plan was made
+                continue
+            backup = next((h for h in plan.ask[i + 1 :] if not self.router.health[h.peer_id].failures), None) if self.hedge else None
             try:
-                sums = await self._send(host, layer, x, ids, w, held)
-                if pins is not None:
-                    pins[key] = host.peer_id
-                return sums
-            except HostDraining as exc:
-                self.router.leaving(host.peer_id, time.monotonic())
-                log.info("dispatch.redirected", peer=str(host.peer_id), layer=layer, reason=str(exc))
-            except DispatchFailed as exc:
-                backoff = self.router.failed(host.peer_id, time.monotonic())
-                log.warning("dispatch.failed", peer=str(host.peer_id), layer=layer, reason=str(exc), benched_s=backoff)
+                winner, sums = await self._ask(host, backup, tried, layer, x, ids, w, held)
+            except DispatchFailed:
+                continue
+            if pins is not None:
+                pins[key] = winner.peer_id
+            return sums
         self.stats.local_groups += 1
-        log.info("dispatch.local", layer=layer, group=list(self.router.routes[layer].partition.bounds[group]), n_tokens=x.shape[0])
+        log.info("dispatch.local", layer=layer, group=list(route.partition.bounds[group]), n_tokens=x.shape[0])
         return await self._local(layer, x, ids, w, held)
 
-    async def _send(self, host: Host, layer: int, x, ids, w, held) -> np.ndarray:
+    async def _ask(self, host: Host, backup: Host | None, tried: set[PeerId], layer: int, x, ids, w, held) -> tuple[Host, np.ndarray]:
+        """Ask *host*; with a *backup* (hedging) ask it too once *host* is later than ``Router.hedge_after``. The first
+        good answer wins; the slower dispatch finishes in the background (its receipt kept, its round trip measured).
+        Raises DispatchFailed when every host asked failed (each already charged by ``_failed``)."""
+        tried.add(host.peer_id)
+        hedge_s = self.router.hedge_after(host.peer_id, x.shape[0]) if backup is not None else None
+        if backup is None or hedge_s is None:
+            return host, await self._attempt(host, layer, x, ids, w, held)
+        tasks = {asyncio.ensure_future(self._attempt(host, layer, x, ids, w, held)): host}
+        done, _ = await asyncio.wait(tasks, timeout=hedge_s)
+        if not done:
+            tried.add(backup.peer_id)
+            log.info("dispatch.hedged", peer=str(host.peer_id), backup=str(backup.peer_id), layer=layer, after_ms=round(hedge_s * 1e3, 3))
+            tasks[asyncio.ensure_future(self._attempt(backup, layer, x, ids, w, held))] = backup
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if (exc := t.exception()) is not None and not isinstance(exc, DispatchFailed):
+                    raise exc  # a bug, not a host failing
+            good = next((t for t in done if t.exception() is None), None)
+            if good is not None:
+                for task in pending:
+                    self._keep(task)
+                return tasks[good], good.result()
+        raise DispatchFailed(f"{len(tasks)} hosts asked, none answered")
+
+    async def _attempt(self, host: Host, layer: int, x, ids, w, held) -> np.ndarray:
+        """One dispatch within *host*'s deadline; a failure is charged to it (``_failed``) and re-raised."""
+        try:
+            return await self._send(host, layer, x, ids, w, held, timeout=self.router.deadline(host.peer_id, x.shape[0], self.timeout))
+        except DispatchFailed as exc:
+            self._failed(host, layer, exc, probe=False)
+            raise
+
+    async def _probe(self, host: Host, layer: int, x, ids, w, held) -> None:
+        """Ask a benched or demoted host for a group already answered locally: an answer makes it ready again."""
+        try:
+            await self._send(host, layer, x, ids, w, held, timeout=self.timeout, probe=True)
+            log.info("dispatch.probe_ok", peer=str(host.peer_id), layer=layer)
+        except DispatchFailed as exc:
+            self._failed(host, layer, exc, probe=True)
+
+    def _failed(self, host: Host, layer: int, exc: DispatchFailed, *, probe: bool) -> None:
+        now = time.monotonic()
+        if isinstance(exc, HostDraining):
+            self.router.leaving(host.peer_id, now)
+            log.info("dispatch.redirected", peer=str(host.peer_id), layer=layer, reason=str(exc))
+            return
+        was_demoted = self.router.health[host.peer_id].demoted
+        next_probe_s = self.router.failed(host.peer_id, now, timed_out=isinstance(exc, HostTimedOut))
+        health = self.router.health[host.peer_id]
+        log.warning("dispatch.probe_failed" if probe else "dispatch.failed", peer=str(host.peer_id), layer=layer, reason=str(exc), benched_s=next_probe_s)
+        if health.demoted and not was_demoted:
+            log.warning("route.demoted", peer=str(host.peer_id), timeouts=health.timeouts, demotions=health.demotions, next_probe_s=next_probe_s)
+
+    def _background(self, job: Coroutine) -> None:
+        self._keep(asyncio.ensure_future(job))
+
+    def _keep(self, task: asyncio.Future) -> None:
+        """Let *task* finish in the background (cancelled by :meth:`close`); its failure was charged where it happened."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_finished)
+
+    async def _send(self, host: Host, layer: int, x, ids, w, held, *, timeout: float, probe: bool = False) -> np.ndarray:
+        """One request to *host*, waiting at most *timeout* s; raises DispatchFailed (HostTimedOut, HostDraining)."""
         n, k = ids.shape
         req = wire.DispatchRequest(
             dispatch_id=os.urandom(16),
@@ -271,10 +392,13 @@ class RemoteMoE:
         data = req.encode()
         self.router.started(host.peer_id)
         t0 = time.perf_counter()
-        ok, reply_len, path, refused, worker_ms = False, 0, host.path, False, 0.0
+        ok, reply_len, path, refused, worker_ms, timed_out = False, 0, host.path, False, 0.0, False
         try:
             try:
-                reply = await self.connector.request(host.peer_id, host.addr, host.relay, data, timeout=self.timeout)
+                reply = await self.connector.request(host.peer_id, host.addr, host.relay, data, timeout=timeout)
+            except TransportTimeout as exc:
+                timed_out = True
+                raise HostTimedOut(f"no answer within {timeout:.2f} s: {exc}") from None
             except TransportError as exc:
                 raise DispatchFailed(f"{type(exc).__name__}: {exc}") from None
             raw, path = reply.data, reply.path
@@ -299,10 +423,10 @@ class RemoteMoE:
         finally:
             latency = (time.perf_counter() - t0) * 1e3
             if not refused:  # a draining host's refusal is no dispatch: it did no work, the group goes elsewhere
-                self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok, worker_ms))
-            log.info("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
+                self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok, worker_ms, probe, timed_out))
+            log.info("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok, probe=probe)
         compute_ms = msg.compute_us / 1e3
-        self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0))
+        self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0), compute_ms, n)
         if self.checker.should_check():
             want = await self._spot_check(host, layer, x, ids, w, held, sums, receipt, stamp)
             if want is not None:

@@ -3,8 +3,29 @@
 The backbone turns the DHT's host records for a layer into a :class:`Partition`
 (the announced expert ranges, plus local groups for any gap) and, per group, an
 ordered list of candidate hosts. Scores come from round trips the backbone itself
-measured; a host that failed is benched with exponential backoff so dispatch
-does not keep paying its timeout.
+measured.
+
+Theory of operation (churn). The backbone always holds every expert itself (its
+fallback source), so no remote host is ever the only way to answer a group, and
+a host that failed is never waited on again until it has proved itself:
+
+==========  ==========================================  ==========================================
+state       how it gets there                           what dispatch does with it
+==========  ==========================================  ==========================================
+ready       never failed, or its last answer was good   asked, best expected wait first
+benched     failed (error or timeout); BENCH backoff    not asked; probed in the background once
+            per consecutive failure                     the bench ends (success -> ready)
+demoted     DEMOTE_AFTER consecutive timeouts (one,     not asked; probed every DEMOTED backoff
+            once demoted before)                        (success -> ready, but the next timeout
+                                                        demotes it again at a longer interval)
+banned      a spot check caught it, or it is draining   neither asked nor probed until it ends
+==========  ==========================================  ==========================================
+
+A probe is a real dispatch of the group in hand, sent alongside the local
+compute that answers it: a host cannot tell a probe from work, and its answer
+(with its receipt) arrives after the token moved on. Each dispatch waits at
+most :meth:`Router.deadline`: a multiple of what the host's measured round trips
+predict, never longer than the configured timeout (which an unmeasured host gets).
 """
 
 from __future__ import annotations
@@ -20,7 +41,15 @@ from p2p.records import HostRecord, RelayAddress
 LEAVING_S = 60.0  # longer than a drain (withdraw, then finish within its deadline); a worker restarted under the same key is used again after it
 DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones
 EWMA = 0.2
-BENCH = Backoff(first=1.0, cap=60.0)  # seconds a failed host gets no work, doubling per consecutive failure
+BENCH = Backoff(first=1.0, cap=60.0)  # seconds until a failed host's next probe, doubling per consecutive failure
+DEMOTE_AFTER = 3  # consecutive timeouts that demote a host (a sybil, a dead or overloaded worker): rarely probed from then on
+DEMOTED = Backoff(first=30.0, cap=600.0)  # seconds between probes of a demoted host, doubling per demotion
+ROUTE_REFRESH_S = 3.0  # routes are re-read this often: a new host is asked within about this long (one DHT lookup per MoE layer each time)
+DEADLINE_K = 4.0  # a dispatch may take this many times its host's predicted round trip ...
+DEADLINE_MARGIN_S = 0.25  # ... plus this (scheduling noise on either side) ...
+DEADLINE_FLOOR_S = 1.0  # ... and never less than this, nor more than the configured timeout
+HEDGE_K = 2.0  # with hedging on, a second replica is asked once the first took this many times its predicted round trip
+HEDGE_FLOOR_S = 0.005  # ... but not sooner (a loopback round trip predicts ~1 ms; scheduling noise is larger)
 SIMILAR_RTT = 1.25  # replicas whose expected waits differ by less than this factor compete on price
 
 
@@ -36,16 +65,29 @@ def scarcity_price(base: int, live_replicas: int) -> int:
 
 @dataclass
 class HostHealth:
-    rtt_ms: float | None = None
+    rtt_ms: float | None = None  # EWMA of the round trip less the worker's compute time
     inflight: int = 0
-    failures: int = 0
-    benched_until: float = 0.0
+    failures: int = 0  # consecutive; > 0: benched (probed, not asked) until an answer comes back
+    benched_until: float = 0.0  # next probe not before then
     banned_until: float = 0.0  # caught returning wrong answers: no work at all until then
     dispatches: int = 0
+    compute_ms_per_token: float | None = None  # EWMA of the worker's reported compute time per token
+    timeouts: int = 0  # consecutive dispatches that got no answer in time
+    demotions: int = 0  # times demoted this session (a demoted host that came back is demoted at its next timeout)
+    demoted: bool = False
+    probing: bool = False  # a probe is in flight: no second one
 
     def score(self) -> float:
         """Expected wait: RTT inflated by requests already queued on that host."""
         return (self.rtt_ms if self.rtt_ms is not None else DEFAULT_RTT_MS) * (1 + self.inflight)
+
+    def state(self, now: float) -> str:
+        """``ready``, ``benched``, ``demoted`` or ``banned`` (the module docstring's table)."""
+        if self.banned_until > now:
+            return "banned"
+        if self.demoted:
+            return "demoted"
+        return "benched" if self.failures else "ready"
 
 
 @dataclass(frozen=True)
@@ -81,6 +123,17 @@ class LayerRoute:
     partition: Partition
     hosts: list[list[Host]]  # per group, every host that can answer for it (unordered)
 
+    def peers(self) -> set[PeerId]:
+        return {h.peer_id for group in self.hosts for h in group}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do for one group now: the hosts to ask in order (none: compute locally), and the hosts to probe."""
+
+    ask: tuple[Host, ...]
+    probe: tuple[Host, ...]
+
 
 @dataclass
 class Router:
@@ -103,11 +156,49 @@ class Router:
         return route
 
     def candidates(self, layer: int, group: int, now: float, prefer: PeerId | None = None) -> list[Host]:
-        """Hosts to try for a group, best first; benched hosts only when nothing else is left.
+        """Hosts that could answer a group, best first; benched hosts (until their bench ends) last.
 
         *prefer* (slot affinity: the host a session used before) goes first while it is ready.
         """
-        hosts = [h for h in self.routes[layer].hosts[group] if self.health[h.peer_id].banned_until <= now]
+        return self._ranked(self.routes[layer].hosts[group], now, prefer)
+
+    def plan(self, route: LayerRoute, group: int, now: float, prefer: PeerId | None = None) -> Plan:
+        """The hosts to ask for a group of *route* (only ready ones), and those due a probe (marked as probing).
+
+        *route* is the one the dispatch split its tokens by: a refresh may replace ``routes[layer]`` meanwhile.
+        """
+        ranked = self._ranked(route.hosts[group], now, prefer)
+        ask = tuple(h for h in ranked if not self.health[h.peer_id].failures)
+        probe = tuple(h for h in ranked if self.health[h.peer_id].failures and self.health[h.peer_id].benched_until <= now and not self.health[h.peer_id].probing)
+        for h in probe:
+            self.health[h.peer_id].probing = True
+        return Plan(ask, probe)
+
+    def deadline(self, peer: PeerId, n_tokens: int, cap: float) -> float:
+        """Seconds to wait for *peer*'s answer to an *n_tokens* dispatch.
+
+        ``DEADLINE_K`` x the round trip its measurements predict (network RTT + per-token compute) +
+        ``DEADLINE_MARGIN_S``, at least ``DEADLINE_FLOOR_S``, at most *cap*; *cap* itself for a host not yet measured.
+        """
+        predicted_s = self._predicted_s(peer, n_tokens)
+        if predicted_s is None:
+            return cap
+        return min(cap, max(DEADLINE_FLOOR_S, DEADLINE_K * predicted_s + DEADLINE_MARGIN_S))
+
+    def hedge_after(self, peer: PeerId, n_tokens: int) -> float | None:
+        """Seconds after which an unanswered dispatch to *peer* is also sent to the next replica (hedging):
+        ``HEDGE_K`` x its predicted round trip, at least ``HEDGE_FLOOR_S``; None for a host not yet measured."""
+        predicted_s = self._predicted_s(peer, n_tokens)
+        return None if predicted_s is None else max(HEDGE_FLOOR_S, HEDGE_K * predicted_s)
+
+    def _predicted_s(self, peer: PeerId, n_tokens: int) -> float | None:
+        h = self.health[peer]
+        if h.rtt_ms is None or h.compute_ms_per_token is None:
+            return None
+        return (h.rtt_ms + n_tokens * h.compute_ms_per_token) / 1e3
+
+    def _ranked(self, group_hosts: list[Host], now: float, prefer: PeerId | None) -> list[Host]:
+        hosts = [h for h in group_hosts if self.health[h.peer_id].banned_until <= now]
         ready = [h for h in hosts if self.health[h.peer_id].benched_until <= now]
         benched = [h for h in hosts if h not in ready]
         best = min((self.health[h.peer_id].score() for h in hosts), default=1.0)
@@ -118,21 +209,24 @@ class Router:
 
         return sorted(ready, key=lambda h: (h.peer_id != prefer, *key(h))) + sorted(benched, key=key)
 
-    def expected_ms(self, layer: int, group: int, now: float) -> float:
-        """Expected round trip of a group's dispatch: its best candidate's measured RTT (0 if nobody can take it)."""
-        best = next(iter(self.candidates(layer, group, now)), None)
+    def expected_ms(self, route: LayerRoute, group: int, now: float) -> float:
+        """Expected round trip of a group's dispatch: its best ready host's measured RTT (0 if it is computed locally)."""
+        best = next((h for h in self._ranked(route.hosts[group], now, None) if not self.health[h.peer_id].failures), None)
         return self.health[best.peer_id].score() if best else 0.0
 
     def started(self, peer: PeerId) -> None:
         self.health[peer].inflight += 1
 
-    def succeeded(self, peer: PeerId, rtt_ms: float) -> None:
+    def succeeded(self, peer: PeerId, rtt_ms: float, compute_ms: float = 0.0, n_tokens: int = 1) -> None:
+        """*peer* answered: *rtt_ms* on the network, *compute_ms* (its own report) for *n_tokens*. It is ready again."""
         h = self.health[peer]
         h.inflight -= 1
-        h.failures = 0
+        h.failures = h.timeouts = 0
         h.benched_until = 0.0
+        h.demoted = h.probing = False
         h.dispatches += 1
-        h.rtt_ms = rtt_ms if h.rtt_ms is None else (1 - EWMA) * h.rtt_ms + EWMA * rtt_ms
+        h.rtt_ms = _ewma(h.rtt_ms, rtt_ms)
+        h.compute_ms_per_token = _ewma(h.compute_ms_per_token, compute_ms / max(n_tokens, 1))
 
     def ban(self, peer: PeerId, now: float, seconds: float) -> None:
         """Give *peer* no work for *seconds* (a spot check caught it)."""
@@ -143,13 +237,23 @@ class Router:
         """*peer* refused because it is draining (shutting down): no work for ``LEAVING_S``, no failure counted."""
         h = self.health[peer]
         h.inflight -= 1
+        h.probing = False
         h.banned_until = max(h.banned_until, now + LEAVING_S)
 
-    def failed(self, peer: PeerId, now: float) -> float:
-        """Bench the host; returns for how long (doubling per consecutive failure)."""
+    def failed(self, peer: PeerId, now: float, *, timed_out: bool = False) -> float:
+        """Bench the host (demote it after ``DEMOTE_AFTER`` consecutive timeouts); returns the seconds to its next probe."""
         h = self.health[peer]
         h.inflight -= 1
         h.failures += 1
-        wait = BENCH.delay(h.failures - 1)
+        h.probing = False
+        h.timeouts = h.timeouts + 1 if timed_out else 0
+        if h.timeouts >= (1 if h.demotions else DEMOTE_AFTER) and not h.demoted:
+            h.demoted = True
+            h.demotions += 1
+        wait = DEMOTED.delay(h.demotions - 1) if h.demoted else BENCH.delay(h.failures - 1)
         h.benched_until = now + wait
         return wait
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new

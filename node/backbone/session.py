@@ -18,6 +18,7 @@ from experts.hosting import open_experts
 from experts.kernels import Kernel
 from node.backbone.dispatch import RemoteMoE
 from node.backbone.hot import HotExperts
+from node.backbone.routing import ROUTE_REFRESH_S
 from node.ledger.sink import LedgerSink
 from node.verdicts import require_verified
 from p2p.connector import Connector
@@ -32,8 +33,12 @@ log = structlog.get_logger("node.backbone.session")
 
 
 @asynccontextmanager
-async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, kernel: Kernel, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, ledger_path: Path | None = None, max_price: int | None = None, local_experts: int = 0, local_memory: int | None = None, relay: RelaySettings = RelaySettings()):
+async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, kernel: Kernel, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, ledger_path: Path | None = None, max_price: int | None = None, local_experts: int = 0, local_memory: int | None = None, relay: RelaySettings = RelaySettings(), route_refresh: float = ROUTE_REFRESH_S, hedge: bool = False):
     """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, connector, local fallback experts.
+
+    Its routes are re-read from the DHT every *route_refresh* seconds while the session lasts (``RemoteMoE.maintain``),
+    so a worker that joins later is used, and its background probes end with the session. *hedge*: a group whose host
+    is late is also sent to the next replica (``RemoteMoE.hedge``).
 
     *kernel* computes the fallback (and hot, and spot-checked) experts; give the backbone's dense forward the same
     one, so that a group computed here has the same bits as one computed by a worker with this kernel.
@@ -59,15 +64,24 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         connector = Connector(endpoint, relay_route=lambda url, relay_peer: attach(endpoint, relay.client(identity, url, expected_relay=relay_peer)), nat=reach.nat)
         stack.push_async_callback(connector.close)
         cfg = model.cfg
-        moe = RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0], loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price)
-        if moe.heads:  # the last head swap needs the connector: it runs before the stack closes that
-            stack.push_async_callback(moe.heads.close)
+        moe = RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0], loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price, hedge=hedge)
+        stack.push_async_callback(moe.close)  # probes and hedges, and the last ledger-head swap: before the connector closes
+        maintaining = asyncio.create_task(moe.maintain(model.moe_layers, route_refresh))
+        maintaining.add_done_callback(_report_crash)
+        stack.push_async_callback(_cancel, maintaining)
         yield moe
 
 
 async def _cancel(task: asyncio.Task) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+def _report_crash(task: asyncio.Task) -> None:
+    """The route refresh died of an error it does not expect (it survives DiscoveryError): routes stay as they were,
+    dispatch goes on (local compute covers hosts that leave), and the operator sees why."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("routes.maintain_crashed", error=repr(task.exception()))
 
 
 def _hot_experts(model: GGUFModel, n: int, memory: int | None) -> HotExperts | None:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 # experts.kernels.KERNELS' names, spelled out so that parsing options does not load ggml (tests/unit/test_kernels.py
 # checks the two agree).
 KERNEL_NAMES = ("ggml", "reference")
+ROUTE_REFRESH_S = 3.0  # node.backbone.routing.ROUTE_REFRESH_S, spelled out likewise (tests/unit/test_churn_routing.py)
 
 
 def kernel_options(command):
@@ -43,6 +44,9 @@ def open_kernel(name: str, threads: int | None):
 bootstrap_opt = click.option("--bootstrap", "bootstrap", multiple=True, help="DHT bootstrap multiaddr /ip4/H/tcp/P/p2p/ID (repeatable).")
 data_dir_opt = click.option("--data-dir", default=None, help="Where this node keeps its key (default ~/.moeswarm/ROLE).")
 http_opt = click.option("--http", "http_addr", default=None, help="HOST:PORT for /healthz, /readyz, /metrics and the /status page (port 0: any free port; default: no HTTP).")
+timeout_opt = click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Most seconds a dispatch waits for a host; a measured host gets a deadline from its round trips (never more than this).")
+route_refresh_opt = click.option("--route-refresh", default=ROUTE_REFRESH_S, show_default=True, type=click.FloatRange(min=0.1), help="Seconds between re-reads of every layer's hosts from the DHT: a worker that joins is used within about this long.")
+hedge_opt = click.option("--hedge", is_flag=True, help="When a group's host is late (2x its measured round trip), ask the next replica too and take the first answer (more work for the swarm, a shorter tail).")
 ready_opt = click.option("--ready-file", default=None, help="Write a JSON line with this node's addresses once it serves.")
 
 

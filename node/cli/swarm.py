@@ -15,7 +15,7 @@ from experts.slices import parse_range
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bootstrap import run_bootstrap_node
-from node.cli.options import bootstrap_opt, data_dir_opt, http_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, thread_count
+from node.cli.options import bootstrap_opt, data_dir_opt, hedge_opt, http_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, thread_count, timeout_opt
 from node.cli.root import LazyGroup, emit_json
 from node.cli.streaming import stream_tokens
 from node.ledger.store import FILENAME
@@ -137,7 +137,9 @@ def backbone_group() -> None:
 @click.option("--tokens", "n_tokens", default=32, show_default=True)
 @click.option("--wire", default="auto", show_default=True, type=click.Choice(["auto", "f32", "f16", "int8"]), help="auto: f16 once `moeswarm verify --wire f16` passed for the model, else f32.")
 @click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts.")
-@click.option("--timeout", default=5.0, show_default=True, help="Seconds before a host is given up for a dispatch.")
+@timeout_opt
+@route_refresh_opt
+@hedge_opt
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC (use this host's address to reach workers off loopback).")
 @click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT client.")
 @click.option("--spot-check", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Fraction of dispatches re-computed locally to catch wrong answers.")
@@ -151,13 +153,13 @@ def backbone_group() -> None:
 @relay_opts
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, speculative, overlap, kernel_name, threads, relay_ca, relay_keepalive, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, route_refresh, hedge, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, speculative, overlap, kernel_name, threads, relay_ca, relay_keepalive, data_dir, as_json) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     ident = load_identity(home)
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
-    session = dict(codec=codec, timeout=timeout, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
+    session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
                    local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None, relay=relay_settings(relay_ca, relay_keepalive))
     result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative, overlap=overlap))
     if as_json:

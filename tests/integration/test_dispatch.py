@@ -32,11 +32,12 @@ from ..conftest import make_model
 TOKENS = [264, 72, 101, 108, 108, 111, 44, 32, 116, 104, 101, 114, 101]
 
 
-async def start_swarm(model: GGUFModel, ranges, board):
+async def start_swarm(model: GGUFModel, ranges, board, delays=()):
+    """A worker per range (the i-th holding each dispatch ``delays[i]`` seconds, if given), announced on *board*."""
     workers = []
-    for a, b in ranges:
+    for i, (a, b) in enumerate(ranges):
         ident = Identity.generate()
-        worker = Worker(ident, ExpertStore(model, experts=ExpertRange(a, b)))
+        worker = Worker(ident, ExpertStore(model, experts=ExpertRange(a, b)), delay=delays[i] if i < len(delays) else 0.0)
         ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
         disc = InMemoryDiscovery(ident, board)
         addr = f"127.0.0.1:{ep.local_addr[1]}"
@@ -46,10 +47,14 @@ async def start_swarm(model: GGUFModel, ranges, board):
 
 
 @contextlib.asynccontextmanager
-async def remote_swarm(model: GGUFModel, ranges, connector_type: type[Connector] = Connector, **moe_kw):
-    """Workers for `ranges` on real sockets and a backbone's RemoteMoE that found them; all closed on exit."""
+async def remote_swarm(model: GGUFModel, ranges, connector_type: type[Connector] = Connector, delays=(), peers: list | None = None, **moe_kw):
+    """Workers for `ranges` on real sockets and a backbone's RemoteMoE that found them; all closed on exit.
+
+    *peers*, if given, receives the workers' peer ids in the order of *ranges*."""
     board = InMemoryBoard()
-    workers = await start_swarm(model, ranges, board)
+    workers = await start_swarm(model, ranges, board, delays)
+    if peers is not None:
+        peers.extend(w.identity.peer_id for w, _, _ in workers)
     ident = Identity.generate()
     ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=None)
     cfg = model.cfg
@@ -58,6 +63,7 @@ async def remote_swarm(model: GGUFModel, ranges, connector_type: type[Connector]
         await moe.refresh(model.layers)
         yield moe
     finally:
+        await moe.close()
         await ep.close()
         for w, wep, _ in workers:
             await wep.close()
@@ -121,6 +127,36 @@ def test_a_layer_starts_its_slowest_round_trip_first(model_dir):
 
     started, slowest_first = asyncio.run(main())
     assert started == slowest_first
+
+
+def test_a_late_host_is_hedged_to_the_next_replica_with_exact_sums(model_dir):
+    """With --hedge, a group whose (measured fast) host holds the dispatch is also sent to the other replica after
+    Router.hedge_after; that replica's answer is used (pinned as the session's host) and equals the local sum, before
+    the late host's deadline (which would also have moved the group, with a failure charged)."""
+    import structlog
+
+    model = GGUFModel(make_model(model_dir, "qwen2moe", n_expert=12, n_expert_used=4, n_layer=1))
+    whole = [(0, 12), (0, 12)]
+
+    async def main():
+        peers: list = []
+        async with remote_swarm(model, whole, delays=(5.0,), peers=peers, hedge=True, timeout=30.0) as moe:
+            late_id, spare_id = peers
+            for peer, rtt in ((late_id, 1.0), (spare_id, 20.0)):  # the delayed worker looks fastest: it is asked first
+                moe.router.health[peer].rtt_ms, moe.router.health[peer].compute_ms_per_token = rtt, 1.0
+            x = np.random.default_rng(1).standard_normal((2, model.cfg.n_embd)).astype(np.float32)
+            ids, w = np.array([[1, 5, 9, 2], [0, 3, 7, 11]]), np.full((2, 4), 0.25, dtype=np.float32)
+            pins: dict = {}
+            with structlog.testing.capture_logs() as logs:
+                out = await moe.dispatch_layer(0, x, ids, w, pins)
+            return out, x, ids, w, pins, logs, late_id, spare_id
+
+    out, x, ids, w, pins, logs, late_id, spare_id = asyncio.run(main())
+    want, _ = partial_sum(ExpertStore(model), 0, x, ids, w, np.ones(ids.shape, bool))
+    assert out.tobytes() == want.tobytes()
+    assert pins == {(0, (0, 12)): spare_id}
+    assert [(e["peer"], e["backup"]) for e in logs if e["event"] == "dispatch.hedged"] == [(str(late_id), str(spare_id))]
+    assert not [e for e in logs if e["event"] == "dispatch.failed"]  # answered before the late host's deadline passed
 
 
 def test_f16_wire_stays_within_the_gate(model_dir):

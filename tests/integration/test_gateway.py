@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -9,15 +10,14 @@ import openai
 import pytest
 
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import local_moe
-from experts.generate import Sampling, generate
+from experts.generate import Sampling
 from experts.gguf_model import GGUFModel
-from experts.moe import Partition, grouped_moe
+from experts.moe import Partition
 from experts.tokenizer import Tokenizer
 from node.gateway.openai import CHAT_STOP, render_chat
 from node.launcher import Cluster
 from tests.support import until
-from tests.support.engine import local_engine
+from tests.support.engine import local_completion, local_engine
 
 pytestmark = pytest.mark.slow
 MODEL = "embedded"
@@ -43,22 +43,8 @@ def swarm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local(swarm):
     """Text that single-process `generate` gives with the workers' expert grouping, cut as the gateway cuts it."""
-    model, tok = swarm["model"], swarm["tok"]
-    bb, store = local_engine(model)
-
-    def moe(i, x, e, w):
-        return grouped_moe(store, swarm["part"], i, x, e, w)
-
-    def run(prompt: str, n: int, sampling: Sampling = Sampling(), stops: tuple[str, ...] = ()) -> tuple[str, int]:
-        out = []
-        for t, _ in generate(bb, tok.encode(prompt), n, local_moe(moe), sampling=sampling, stop={tok.eos_id}):
-            out.append(t)
-            text = tok.decode([t for t in out if t != tok.eos_id])
-            if any(s in text for s in stops):
-                return text[: min(text.find(s) for s in stops if s in text)], len(out)
-        return text, len(out)
-
-    return run
+    engine = local_engine(swarm["model"])
+    return functools.partial(local_completion, engine, swarm["tok"], swarm["part"])
 
 
 @pytest.fixture

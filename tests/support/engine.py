@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from experts.forward import Backbone
-from experts.generate import generate
+from experts.forward import Backbone, local_moe
+from experts.generate import Sampling, generate
 from experts.gguf_model import GGUFModel
 from experts.hosting import open_experts
 from experts.kernels import Kernel, make_kernel
-from experts.moe import ExpertSource
+from experts.moe import ExpertSource, Partition, grouped_moe
+from experts.tokenizer import Tokenizer
 
 
 def kernel() -> Kernel:
@@ -40,3 +41,21 @@ async def generate_off_loop(backbone: Backbone, moe_hook, ids: list[int], n: int
         return out
 
     return await asyncio.to_thread(go)
+
+
+def local_completion(engine: tuple[Backbone, ExpertSource], tok: Tokenizer, part: Partition, prompt: str, n: int, sampling: Sampling = Sampling(), stops: tuple[str, ...] = ()) -> tuple[str, int]:
+    """The text (and token count) single-process ``generate`` gives with the workers' grouping *part*, cut as the
+    gateway cuts it (at end of sequence or before the first stop string)."""
+    bb, store = engine
+
+    def moe(i, x, e, w):
+        return grouped_moe(store, part, i, x, e, w)
+
+    out: list[int] = []
+    text = ""
+    for t, _ in generate(bb, tok.encode(prompt), n, local_moe(moe), sampling=sampling, stop={tok.eos_id}):
+        out.append(t)
+        text = tok.decode([t for t in out if t != tok.eos_id])
+        if any(s in text for s in stops):
+            return text[: min(text.find(s) for s in stops if s in text)], len(out)
+    return text, len(out)
