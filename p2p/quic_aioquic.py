@@ -16,7 +16,7 @@ from typing import Any
 
 import aioquic.quic.stream
 import aioquic.tls
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import QuicConnection, QuicConnectionState
 from aioquic.quic.events import ConnectionTerminated
 from cryptography.hazmat.primitives.serialization import Encoding
 
@@ -41,8 +41,7 @@ def _check_aioquic_internals() -> None:
     """Fail at import, not mid-handshake, if aioquic no longer has the private hooks we rely on."""
     hooks = ("_initialize", "_write_crypto_frame", "_write_stream_frame", "_write_stream_limits")
     missing = [name for name in hooks if not hasattr(QuicConnection, name)]
-    if "_close_event" not in QuicConnection.__init__.__code__.co_names:
-        missing.append("_close_event")
+    missing += [n for n in ("_close_event", "_local_max_streams_bidi", "_state") if n not in QuicConnection.__init__.__code__.co_names]
     names = aioquic.tls.Context.__init__.__code__.co_names
     wanted = ("_request_client_certificate", "_peer_certificate", "_peer_certificate_chain")
     missing += [name for name in wanted if name not in names]
@@ -61,11 +60,13 @@ def _pin_get_frame(sender: Any) -> None:
 
 class AuthQuicConnection(QuicConnection):
     """A ``QuicConnection`` whose server requests a client certificate, whose streams ignore monkey-patches, and
-    whose stream receive windows stop at ``window_cap``."""
+    whose stream receive windows stop at ``window_cap``, and whose peer may open at most ``max_streams`` request
+    streams at once (aioquic grants 128, each with a window of its own to buffer)."""
 
-    def __init__(self, *, window_cap: int, **kwargs: Any) -> None:
+    def __init__(self, *, window_cap: int, max_streams: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.window_cap = window_cap
+        self._local_max_streams_bidi.value = max_streams  # read when the transport parameters are sent
 
     def _initialize(self, peer_cid: bytes) -> None:
         super()._initialize(peer_cid)
@@ -99,6 +100,11 @@ class AuthQuicConnection(QuicConnection):
         if leaf is None:
             return []
         return [c.public_bytes(Encoding.DER) for c in [leaf, *self.tls._peer_certificate_chain]]
+
+    def nothing_decrypted(self) -> bool:
+        """Whether no packet of the peer could be decrypted yet: a server connection whose first Initial was junk
+        (aioquic keeps such a connection until its idle timeout; the endpoint drops it at once)."""
+        return self._state is QuicConnectionState.FIRSTFLIGHT
 
     def closing(self) -> ConnectionTerminated | None:
         """Why the connection is closing, as soon as either side closes it; None while it is open.
