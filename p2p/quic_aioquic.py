@@ -66,7 +66,8 @@ class AuthQuicConnection(QuicConnection):
     def __init__(self, *, window_cap: int, max_streams: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.window_cap = window_cap
-        self._local_max_streams_bidi.value = max_streams  # read when the transport parameters are sent
+        limit = self._local_max_streams_bidi  # read when the transport parameters are sent; aioquic raises it by
+        limit.value = limit.sent = max_streams  # one per finished stream and sends it only when it differs from sent
 
     def _initialize(self, peer_cid: bytes) -> None:
         super()._initialize(peer_cid)

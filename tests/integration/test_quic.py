@@ -703,3 +703,19 @@ def test_datagram_filter_takes_non_quic_datagrams_and_quic_still_works() -> None
             assert len(passed) == seen
 
     run(scenario())
+
+
+def test_more_requests_than_the_stream_cap_all_get_replies() -> None:
+    """A connection capped at 8 open request streams carries 40 requests in a row and 30 at once: aioquic raises the
+    peer's stream limit as streams finish (regression: the cap once froze the connection after 8 streams)."""
+
+    async def main() -> None:
+        limits = quic.ServeLimits(max_streams_per_conn=8)
+        async with endpoints(serve_limits=limits) as (server, client):
+            addr = server.local_addr
+            for i in range(40):
+                assert await client.request(addr, server.peer_id, b"%d" % i, timeout=5) == f"{client.peer_id}|{i}".encode()
+            replies = await asyncio.gather(*(client.request(addr, server.peer_id, b"x" * 30_000, timeout=10) for _ in range(30)))
+            assert all(r.endswith(b"x" * 30_000) for r in replies)
+
+    run(main(), timeout=60)
