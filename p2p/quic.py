@@ -445,8 +445,8 @@ class Endpoint:
         return conn
 
     def _quic(self, **kwargs: Any) -> AuthQuicConnection:
-        max_streams = self.budget.limits.max_streams_per_conn
-        return AuthQuicConnection(window_cap=self.max_message + 1, max_streams=max_streams, **kwargs)
+        limits = self.budget.limits
+        return AuthQuicConnection(window_cap=self.max_message + 1, max_streams=limits.max_streams_per_conn, conn_window=limits.max_bytes_per_conn, **kwargs)
 
     def _dial(self, addr: Address, peer_id: PeerId) -> Conn:
         quic = self._quic(configuration=self._configs[True])

@@ -39,9 +39,10 @@ def _load_pristine_get_frame() -> Callable[..., Any]:
 
 def _check_aioquic_internals() -> None:
     """Fail at import, not mid-handshake, if aioquic no longer has the private hooks we rely on."""
-    hooks = ("_initialize", "_write_crypto_frame", "_write_stream_frame", "_write_stream_limits")
+    hooks = ("_initialize", "_write_crypto_frame", "_write_stream_frame", "_write_stream_limits", "_write_connection_limits")
     missing = [name for name in hooks if not hasattr(QuicConnection, name)]
-    missing += [n for n in ("_close_event", "_local_max_streams_bidi", "_state") if n not in QuicConnection.__init__.__code__.co_names]
+    wanted_state = ("_close_event", "_local_max_data", "_local_max_streams_bidi", "_state", "_streams")
+    missing += [n for n in wanted_state if n not in QuicConnection.__init__.__code__.co_names]
     names = aioquic.tls.Context.__init__.__code__.co_names
     wanted = ("_request_client_certificate", "_peer_certificate", "_peer_certificate_chain")
     missing += [name for name in wanted if name not in names]
@@ -60,12 +61,14 @@ def _pin_get_frame(sender: Any) -> None:
 
 class AuthQuicConnection(QuicConnection):
     """A ``QuicConnection`` whose server requests a client certificate, whose streams ignore monkey-patches, and
-    whose stream receive windows stop at ``window_cap``, and whose peer may open at most ``max_streams`` request
-    streams at once (aioquic grants 128, each with a window of its own to buffer)."""
+    whose stream receive windows stop at ``window_cap``, whose peer may open at most ``max_streams`` request
+    streams at once (aioquic grants 128, each with a window of its own to buffer), and whose connection credit runs
+    at most ``conn_window`` bytes ahead of what the peer sent."""
 
-    def __init__(self, *, window_cap: int, max_streams: int, **kwargs: Any) -> None:
+    def __init__(self, *, window_cap: int, max_streams: int, conn_window: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.window_cap = window_cap
+        self.conn_window = conn_window
         limit = self._local_max_streams_bidi  # read when the transport parameters are sent; aioquic raises it by
         limit.value = limit.sent = max_streams  # one per finished stream and sends it only when it differs from sent
 
@@ -94,6 +97,26 @@ class AuthQuicConnection(QuicConnection):
             super()._write_stream_limits(builder, space, stream)
         finally:
             receiver.highest_offset = highest
+
+    def _write_connection_limits(self, builder: Any, space: Any) -> None:
+        """aioquic doubles MAX_DATA whenever the peer used half of it, whatever aioquic itself still holds; with
+        holes left on purpose in stream data (aioquic fills them with zeros) a peer could make it allocate without
+        bound. Here the credit runs at most ``conn_window`` bytes past what the peer sent, and stops growing while
+        aioquic holds more than ``conn_window`` bytes it cannot deliver yet: at most ~2 windows per connection."""
+        max_data = self._local_max_data
+        if max_data.used * 2 <= max_data.value:
+            return super()._write_connection_limits(builder, space)
+        if self.held() <= self.conn_window:
+            max_data.value = max(max_data.value, min(max_data.value * 2, max_data.used + self.conn_window))
+        used, max_data.used = max_data.used, 0  # keeps aioquic from doubling it
+        try:
+            super()._write_connection_limits(builder, space)
+        finally:
+            max_data.used = used
+
+    def held(self) -> int:
+        """Bytes aioquic holds for the peer's streams that it cannot deliver yet (out-of-order data and holes)."""
+        return sum(len(stream.receiver._buffer) for stream in self._streams.values())
 
     def peer_certificates(self) -> list[bytes]:
         """The DER certificates the peer presented in the handshake (leaf first)."""

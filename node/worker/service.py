@@ -145,10 +145,13 @@ class Worker:
 
     def _admit(self, peer: PeerId) -> None:
         """Refuse (OVERLOADED) a dispatch past the in-flight caps: the backbone tries another replica or computes
-        locally, and one peer cannot occupy every compute slot."""
-        if self.in_flight >= self.max_in_flight:
+        locally. One peer cannot occupy every compute slot, and a peer with nothing in flight is admitted even past
+        the global cap, so a flood from many identities cannot starve the others (the transport's budget still
+        bounds what all of them hold)."""
+        mine = self._in_flight_by.get(peer, 0)
+        if self.in_flight >= self.max_in_flight and mine:
             raise Overloaded("type", f"{self.in_flight} dispatches in flight (limit {self.max_in_flight}); retry later or ask another replica")
-        if self._in_flight_by.get(peer, 0) >= self.max_in_flight_per_peer:
+        if mine >= self.max_in_flight_per_peer:
             raise Overloaded("type", f"{self.max_in_flight_per_peer} of your dispatches are in flight here (the per-peer limit)")
 
     async def _dispatch(self, peer: PeerId, req: wire.DispatchRequest, data: bytes, t0: float) -> bytes:
