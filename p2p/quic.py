@@ -35,7 +35,8 @@ commands to aioquic and its results to futures and handler tasks.
 Bounded resources (docs/architecture.md, "Limits"). What peers may make a serving endpoint buffer is one
 ``p2p.budget.ServeBudget`` shared by all its connections (request bytes and streams, per connection and in all;
 refusals reset the stream with ``ErrorCode.OVERLOADED``); aioquic's own per-connection stream count is capped to
-the same ``max_streams_per_conn``. Unverified (half-open) connections are capped too: a first Initial whose packet
+the same ``max_streams_per_conn``, and its connection credit to one ``max_bytes_per_conn`` window ahead of what the
+peer sent (``AuthQuicConnection``). Unverified (half-open) connections are capped too: a first Initial whose packet
 does not decrypt is dropped with its connection at once (aioquic would keep it for the idle timeout), and beyond
 ``max_half_open`` half-open connections a new client must prove its address with a stateless Retry (RFC 9000
 8.1.2) before it gets any state; relayed datagrams (no IP to validate) are dropped past that cap instead. Below
