@@ -38,9 +38,8 @@ refusals reset the stream with ``ErrorCode.OVERLOADED``); aioquic's own per-conn
 the same ``max_streams_per_conn``, and its connection credit to one ``max_bytes_per_conn`` window ahead of what the
 peer sent (``AuthQuicConnection``). Unverified (half-open) connections are capped too: a first Initial whose packet
 does not decrypt is dropped with its connection at once (aioquic would keep it for the idle timeout), and beyond
-``max_half_open`` half-open connections a new client must prove its address with a stateless Retry (RFC 9000
-8.1.2) before it gets any state; relayed datagrams (no IP to validate) are dropped past that cap instead. Below
-the cap no Retry is sent, so a normal dial costs no extra round trip.
+``max_half_open`` half-open connections a new client must prove its address with a stateless Retry first
+(``p2p.quic_gate`` has the table). Below the cap no Retry is sent, so a normal dial costs no extra round trip.
 
 Events. ``subscribe(fn)`` calls ``fn`` with a ``p2p.quic_events.PathOpened`` when a connection passes
 authentication and a ``PathClosed`` when a verified one starts closing, so path keeping needs no polling.
@@ -83,6 +82,7 @@ from p2p.quic_aioquic import AuthQuicConnection
 from p2p.quic_conn import Conn, retrieve, settle
 from p2p.quic_errors import Address, ConnectionLost, ErrorCode, MessageTooLarge, PeerAuthError, RemoteError, TransportError, TransportTimeout  # noqa: F401  re-exported: callers import errors from here
 from p2p.quic_events import EndpointEvent, PathClosed, PathOpened, Subscriber
+from p2p.quic_gate import MAX_HALF_OPEN, Admit, InitialGate
 from p2p.quic_streams import (
     AbortStream,
     CallFailed,
@@ -106,8 +106,6 @@ CID_LENGTH = 8
 MIN_DATAGRAM = 1200  # QUIC's minimum; safe on any path
 MAX_DATAGRAM = 16384  # above this aioquic 1.7.2 can emit STREAM frames > 16383 bytes and break the connection
 _MAX_REASON = 200
-MAX_HALF_OPEN = 64  # unverified connections held before new clients must pass a Retry
-_FLOOD_LOG_INTERVAL = 1.0  # seconds between quic.half_open_full events (the count says how many)
 
 log = structlog.get_logger("p2p.quic")
 
@@ -164,10 +162,8 @@ class Endpoint:
         self._idle_timeout = idle_timeout
         self._stream_timeout = stream_timeout
         self.budget = ServeBudget(serve_limits)
-        self._max_half_open = max_half_open
+        self._gate = InitialGate(max_half_open)
         self._retry = QuicRetryTokenHandler()
-        self._refused_initials = 0
-        self._refusal_logged_at = float("-inf")
         self._loop = asyncio.get_running_loop()
         host = make_certificate(identity, now=time.time())
         self._configs = {
@@ -311,42 +307,27 @@ class Endpoint:
         self._pump(conn)
 
     def _admit(self, header: Any, addr: Address) -> Conn | None:
-        """A connection for a new client's Initial, or None: past ``max_half_open`` unverified connections a client
-        without a valid Retry token gets a stateless Retry (relayed ones, with no IP to validate, nothing)."""
-        now = self._loop.time()
+        """A connection for a new client's Initial, or None (a Retry sent, or dropped): ``p2p.quic_gate`` decides."""
+        now, routable = self._loop.time(), is_ip(addr[0])
+        original, token = header.destination_cid, None
         if header.token:  # only ours are valid: we issue no NEW_TOKEN tokens
-            if not is_ip(addr[0]):
-                return None
-            try:
-                original = self._retry.validate_token(address=addr, destination_cid=header.destination_cid, token=header.token, now=now)
-            except ValueError:
-                return None
-            if self._half_open() >= 2 * self._max_half_open:  # validated clients get a second, equal share
-                self._count_refused("half-open limit, validated clients too")
-                return None
-            return self._accept(original, retry_cid=header.destination_cid)
-        if self._half_open() < self._max_half_open:
-            return self._accept(header.destination_cid)
-        self._count_refused("half-open limit: Retry sent" if is_ip(addr[0]) else "half-open limit: relayed Initial dropped")
-        if is_ip(addr[0]) and self._transport is not None:
+            token = False
+            if routable:
+                with contextlib.suppress(ValueError):
+                    original = self._retry.validate_token(address=addr, destination_cid=header.destination_cid, token=header.token, now=now)
+                    token = True
+        verdict = self._gate.admit(token=token, routable=routable, half_open=self._half_open(), now=now)
+        if verdict is Admit.ACCEPT:
+            return self._accept(original, retry_cid=header.destination_cid if token else None)
+        if verdict is Admit.RETRY and self._transport is not None:
             retry_cid = os.urandom(CID_LENGTH)
-            token = self._retry.create_token(address=addr, original_destination_connection_id=header.destination_cid, retry_source_connection_id=retry_cid, now=now)
-            self._transport.sendto(
-                encode_quic_retry(version=header.version, source_cid=retry_cid, destination_cid=header.source_cid, original_destination_cid=header.destination_cid, retry_token=token),
-                addr,
-            )
+            token_bytes = self._retry.create_token(address=addr, original_destination_connection_id=original, retry_source_connection_id=retry_cid, now=now)
+            retry = encode_quic_retry(version=header.version, source_cid=retry_cid, destination_cid=header.source_cid, original_destination_cid=original, retry_token=token_bytes)
+            self._transport.sendto(retry, addr)
         return None
 
     def _half_open(self) -> int:
         return sum(1 for c in self._conns if c.peer is None and c.failure is None and not c.is_client)
-
-    def _count_refused(self, reason: str) -> None:
-        """Count an Initial refused state; log at most once a second (a flood must not flood the log)."""
-        self._refused_initials += 1
-        now = self._loop.time()
-        if now - self._refusal_logged_at >= _FLOOD_LOG_INTERVAL:
-            log.warning("quic.half_open_full", reason=reason, refused=self._refused_initials, limit=self._max_half_open)
-            self._refusal_logged_at = now
 
     async def close(self) -> None:
         """Close every connection (pending requests fail with ``ConnectionLost``) and the socket."""
