@@ -32,6 +32,15 @@ persistent stream). A message above ``max_message`` is refused with STOP_SENDING
 is the sans-IO ``p2p.quic_streams.RequestStreams`` (one per verified connection); this module only moves its
 commands to aioquic and its results to futures and handler tasks.
 
+Bounded resources (docs/architecture.md, "Limits"). What peers may make a serving endpoint buffer is one
+``p2p.budget.ServeBudget`` shared by all its connections (request bytes and streams, per connection and in all;
+refusals reset the stream with ``ErrorCode.OVERLOADED``); aioquic's own per-connection stream count is capped to
+the same ``max_streams_per_conn``, and its connection credit to one ``max_bytes_per_conn`` window ahead of what the
+peer sent (``AuthQuicConnection``). Unverified (half-open) connections are capped too: a first Initial whose packet
+does not decrypt is dropped with its connection at once (aioquic would keep it for the idle timeout), and beyond
+``max_half_open`` half-open connections a new client must prove its address with a stateless Retry first
+(``p2p.quic_gate`` has the table). Below the cap no Retry is sent, so a normal dial costs no extra round trip.
+
 Events. ``subscribe(fn)`` calls ``fn`` with a ``p2p.quic_events.PathOpened`` when a connection passes
 authentication and a ``PathClosed`` when a verified one starts closing, so path keeping needs no polling.
 
@@ -54,6 +63,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -63,13 +73,16 @@ import structlog
 from aioquic.buffer import Buffer
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from aioquic.quic.packet import QuicPacketType, encode_quic_retry, pull_quic_header
+from aioquic.quic.retry import QuicRetryTokenHandler
 
+from p2p.budget import ServeBudget, ServeLimits
 from p2p.identity import Identity, PeerId
 from p2p.quic_aioquic import AuthQuicConnection
 from p2p.quic_conn import Conn, retrieve, settle
 from p2p.quic_errors import Address, ConnectionLost, ErrorCode, MessageTooLarge, PeerAuthError, RemoteError, TransportError, TransportTimeout  # noqa: F401  re-exported: callers import errors from here
 from p2p.quic_events import EndpointEvent, PathClosed, PathOpened, Subscriber
+from p2p.quic_gate import MAX_HALF_OPEN, Admit, InitialGate
 from p2p.quic_streams import (
     AbortStream,
     CallFailed,
@@ -80,6 +93,7 @@ from p2p.quic_streams import (
     ResetStream,
     SendStream,
     ServeCancelled,
+    StreamsEvicted,
     check_request_size,
 )
 from p2p.tls import PeerCertificateError, make_certificate, verify_certificate
@@ -132,6 +146,8 @@ class Endpoint:
         idle_timeout: float,
         keepalive: bool,
         stream_timeout: float,
+        serve_limits: ServeLimits | None = None,
+        max_half_open: int = MAX_HALF_OPEN,
     ) -> None:
         """Use ``await Endpoint.bind(...)``; this constructor opens no socket."""
         if not MIN_DATAGRAM <= max_datagram_size <= MAX_DATAGRAM:
@@ -145,6 +161,9 @@ class Endpoint:
         self._handler = handler
         self._idle_timeout = idle_timeout
         self._stream_timeout = stream_timeout
+        self.budget = ServeBudget(serve_limits)
+        self._gate = InitialGate(max_half_open)
+        self._retry = QuicRetryTokenHandler()
         self._loop = asyncio.get_running_loop()
         host = make_certificate(identity, now=time.time())
         self._configs = {
@@ -185,6 +204,8 @@ class Endpoint:
         idle_timeout: float = 10.0,
         keepalive: bool = True,
         stream_timeout: float = 60.0,
+        serve_limits: ServeLimits | None = None,
+        max_half_open: int = MAX_HALF_OPEN,
     ) -> Endpoint:
         """Open the UDP socket at (host, port) (port 0: any free port; see ``local_addr``).
 
@@ -193,6 +214,8 @@ class Endpoint:
         ends: 1200 works on every path, 1452 fits Ethernet without tunnels, 16384 is for loopback. A silent peer is
         declared gone after ``idle_timeout`` seconds; ``keepalive`` PINGs keep quiet connections open meanwhile. A
         request whose stream gets no data for ``stream_timeout`` seconds before it is complete is reset.
+        ``serve_limits`` bound what peers may make a serving endpoint hold (``p2p.budget``); past ``max_half_open``
+        unverified connections new clients must pass a Retry first.
         """
         endpoint = cls(
             identity,
@@ -202,6 +225,8 @@ class Endpoint:
             idle_timeout=idle_timeout,
             keepalive=keepalive,
             stream_timeout=stream_timeout,
+            serve_limits=serve_limits,
+            max_half_open=max_half_open,
         )
         transport, _ = await endpoint._loop.create_datagram_endpoint(
             lambda: _Socket(endpoint), local_addr=(host, port)
@@ -264,6 +289,7 @@ class Endpoint:
         except ValueError:
             return
         conn = self._by_cid.get(header.destination_cid)
+        fresh = conn is None
         if conn is None:
             if (
                 header.packet_type != QuicPacketType.INITIAL
@@ -271,9 +297,37 @@ class Endpoint:
                 or header.version not in self._configs[False].supported_versions
             ):
                 return
-            conn = self._accept(header.destination_cid)
+            conn = self._admit(header, addr)
+            if conn is None:
+                return
         conn.quic.receive_datagram(data, addr, now=self._loop.time())
+        if fresh and conn.quic.nothing_decrypted():  # junk dressed as an Initial: no state for it
+            self._forget(conn, quiet=True)
+            return
         self._pump(conn)
+
+    def _admit(self, header: Any, addr: Address) -> Conn | None:
+        """A connection for a new client's Initial, or None (a Retry sent, or dropped): ``p2p.quic_gate`` decides."""
+        now, routable = self._loop.time(), is_ip(addr[0])
+        original, token = header.destination_cid, None
+        if header.token:  # only ours are valid: we issue no NEW_TOKEN tokens
+            token = False
+            if routable:
+                with contextlib.suppress(ValueError):
+                    original = self._retry.validate_token(address=addr, destination_cid=header.destination_cid, token=header.token, now=now)
+                    token = True
+        verdict = self._gate.admit(token=token, routable=routable, half_open=self._half_open(), now=now)
+        if verdict is Admit.ACCEPT:
+            return self._accept(original, retry_cid=header.destination_cid if token else None)
+        if verdict is Admit.RETRY and self._transport is not None:
+            retry_cid = os.urandom(CID_LENGTH)
+            token_bytes = self._retry.create_token(address=addr, original_destination_connection_id=original, retry_source_connection_id=retry_cid, now=now)
+            retry = encode_quic_retry(version=header.version, source_cid=retry_cid, destination_cid=header.source_cid, original_destination_cid=original, retry_token=token_bytes)
+            self._transport.sendto(retry, addr)
+        return None
+
+    def _half_open(self) -> int:
+        return sum(1 for c in self._conns if c.peer is None and c.failure is None and not c.is_client)
 
     async def close(self) -> None:
         """Close every connection (pending requests fail with ``ConnectionLost``) and the socket."""
@@ -372,22 +426,26 @@ class Endpoint:
         self._register_cid(conn, quic.host_cid)
         return conn
 
+    def _quic(self, **kwargs: Any) -> AuthQuicConnection:
+        limits = self.budget.limits
+        return AuthQuicConnection(window_cap=self.max_message + 1, max_streams=limits.max_streams_per_conn, conn_window=limits.max_bytes_per_conn, **kwargs)
+
     def _dial(self, addr: Address, peer_id: PeerId) -> Conn:
-        quic = AuthQuicConnection(configuration=self._configs[True], window_cap=self.max_message + 1)
+        quic = self._quic(configuration=self._configs[True])
         conn = self._new_conn(quic, peer_id)
         self._dialing[(peer_id, addr)] = conn
         conn.quic.connect(addr, now=self._loop.time())
         self._pump(conn)
         return conn
 
-    def _accept(self, original_cid: bytes) -> Conn:
-        quic = AuthQuicConnection(
+    def _accept(self, original_cid: bytes, *, retry_cid: bytes | None = None) -> Conn:
+        quic = self._quic(
             configuration=self._configs[False],
             original_destination_connection_id=original_cid,
-            window_cap=self.max_message + 1,
+            retry_source_connection_id=retry_cid,
         )
         conn = self._new_conn(quic, None)
-        self._register_cid(conn, original_cid)  # the client's Initial packets are addressed to its chosen id
+        self._register_cid(conn, retry_cid or original_cid)  # where the client's Initial packets are addressed
         return conn
 
     def _register_cid(self, conn: Conn, cid: bytes) -> None:
@@ -465,6 +523,7 @@ class Endpoint:
             max_message=self.max_message,
             serving=self._handler is not None,
             stream_timeout=self._stream_timeout,
+            budget=self.budget,
         )
         if conn.expected is not None:
             self._dialing = {k: c for k, c in self._dialing.items() if c is not conn}
@@ -503,8 +562,8 @@ class Endpoint:
         if conn.peer is not None:
             self._emit(PathClosed(conn.peer, conn.addr, conn.close_reason))
 
-    def _forget(self, conn: Conn) -> None:
-        """Drop a terminated connection from every table."""
+    def _forget(self, conn: Conn, *, quiet: bool = False) -> None:
+        """Drop a terminated connection from every table (``quiet``: one that never was, a junk Initial's)."""
         if conn not in self._conns:
             return
         self._conns.discard(conn)
@@ -514,6 +573,8 @@ class Endpoint:
         if conn.timer is not None:
             conn.timer.cancel()
             conn.timer = None
+        if quiet:
+            return
         log.info("quic.closed", peer=conn.peer and str(conn.peer), addr=conn.addr, reason=conn.close_reason)
 
     async def _keep_alive(self) -> None:
@@ -577,6 +638,16 @@ class Endpoint:
                 conn.serves[out.stream_id] = self._spawn(self._serve(conn, out.stream_id, out.data))
             elif isinstance(out, ServeCancelled) and (task := conn.serves.pop(out.stream_id, None)) is not None:
                 task.cancel()
+            elif isinstance(out, StreamsEvicted):
+                self._evict(out)
+
+    def _evict(self, evicted: StreamsEvicted) -> None:
+        """Reset the streams of other connections that the shared budget evicted for this one's request."""
+        for owner, stream_id in evicted.victims:
+            victim = next((c for c in self._conns if c.streams is owner), None)
+            if victim is not None and victim.streams is not None and victim.failure is None:
+                self._perform(victim, victim.streams.evict(stream_id))
+                self._pump(victim)
 
     async def _serve(self, conn: Conn, sid: int, request: bytes) -> None:
         assert self._handler is not None and conn.peer is not None and conn.streams is not None

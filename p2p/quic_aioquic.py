@@ -16,7 +16,7 @@ from typing import Any
 
 import aioquic.quic.stream
 import aioquic.tls
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import QuicConnection, QuicConnectionState
 from aioquic.quic.events import ConnectionTerminated
 from cryptography.hazmat.primitives.serialization import Encoding
 
@@ -39,10 +39,10 @@ def _load_pristine_get_frame() -> Callable[..., Any]:
 
 def _check_aioquic_internals() -> None:
     """Fail at import, not mid-handshake, if aioquic no longer has the private hooks we rely on."""
-    hooks = ("_initialize", "_write_crypto_frame", "_write_stream_frame", "_write_stream_limits")
+    hooks = ("_initialize", "_write_crypto_frame", "_write_stream_frame", "_write_stream_limits", "_write_connection_limits")
     missing = [name for name in hooks if not hasattr(QuicConnection, name)]
-    if "_close_event" not in QuicConnection.__init__.__code__.co_names:
-        missing.append("_close_event")
+    wanted_state = ("_close_event", "_local_max_data", "_local_max_streams_bidi", "_state", "_streams")
+    missing += [n for n in wanted_state if n not in QuicConnection.__init__.__code__.co_names]
     names = aioquic.tls.Context.__init__.__code__.co_names
     wanted = ("_request_client_certificate", "_peer_certificate", "_peer_certificate_chain")
     missing += [name for name in wanted if name not in names]
@@ -61,11 +61,16 @@ def _pin_get_frame(sender: Any) -> None:
 
 class AuthQuicConnection(QuicConnection):
     """A ``QuicConnection`` whose server requests a client certificate, whose streams ignore monkey-patches, and
-    whose stream receive windows stop at ``window_cap``."""
+    whose stream receive windows stop at ``window_cap``, whose peer may open at most ``max_streams`` request
+    streams at once (aioquic grants 128, each with a window of its own to buffer), and whose connection credit runs
+    at most ``conn_window`` bytes ahead of what the peer sent."""
 
-    def __init__(self, *, window_cap: int, **kwargs: Any) -> None:
+    def __init__(self, *, window_cap: int, max_streams: int, conn_window: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.window_cap = window_cap
+        self.conn_window = conn_window
+        limit = self._local_max_streams_bidi  # read when the transport parameters are sent; aioquic raises it by
+        limit.value = limit.sent = max_streams  # one per finished stream and sends it only when it differs from sent
 
     def _initialize(self, peer_cid: bytes) -> None:
         super()._initialize(peer_cid)
@@ -93,12 +98,37 @@ class AuthQuicConnection(QuicConnection):
         finally:
             receiver.highest_offset = highest
 
+    def _write_connection_limits(self, builder: Any, space: Any) -> None:
+        """aioquic doubles MAX_DATA whenever the peer used half of it, whatever aioquic itself still holds; with
+        holes left on purpose in stream data (aioquic fills them with zeros) a peer could make it allocate without
+        bound. Here the credit runs at most ``conn_window`` bytes past what the peer sent, and stops growing while
+        aioquic holds more than ``conn_window`` bytes it cannot deliver yet: at most ~2 windows per connection."""
+        max_data = self._local_max_data
+        if max_data.used * 2 <= max_data.value:
+            return super()._write_connection_limits(builder, space)
+        if self.held() <= self.conn_window:
+            max_data.value = max(max_data.value, min(max_data.value * 2, max_data.used + self.conn_window))
+        used, max_data.used = max_data.used, 0  # keeps aioquic from doubling it
+        try:
+            super()._write_connection_limits(builder, space)
+        finally:
+            max_data.used = used
+
+    def held(self) -> int:
+        """Bytes aioquic holds for the peer's streams that it cannot deliver yet (out-of-order data and holes)."""
+        return sum(len(stream.receiver._buffer) for stream in self._streams.values())
+
     def peer_certificates(self) -> list[bytes]:
         """The DER certificates the peer presented in the handshake (leaf first)."""
         leaf = self.tls._peer_certificate
         if leaf is None:
             return []
         return [c.public_bytes(Encoding.DER) for c in [leaf, *self.tls._peer_certificate_chain]]
+
+    def nothing_decrypted(self) -> bool:
+        """Whether no packet of the peer could be decrypted yet: a server connection whose first Initial was junk
+        (aioquic keeps such a connection until its idle timeout; the endpoint drops it at once)."""
+        return self._state is QuicConnectionState.FIRSTFLIGHT
 
     def closing(self) -> ConnectionTerminated | None:
         """Why the connection is closing, as soon as either side closes it; None while it is open.

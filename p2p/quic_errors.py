@@ -24,6 +24,7 @@ class ErrorCode(IntEnum):
     CANCELLED = 4
     PEER_AUTH_FAILED = 5
     PROTOCOL_VIOLATION = 6
+    OVERLOADED = 7  # the serving endpoint's budget (p2p.budget) has no room for this request: retry later or elsewhere
 
 
 class TransportError(MoeSwarmError):

@@ -10,9 +10,13 @@ stream, FIN, or the stream is reset with an ``ErrorCode`` (handler failed, no ha
 stream's end delimits the message, so there is no framing.
 
 Limits. A message above ``max_message`` is refused (STOP_SENDING + RESET_STREAM, ``MESSAGE_TOO_LARGE``) before its
-bytes are buffered. A request stream that receives nothing for ``stream_timeout`` seconds before its FIN (truncated,
-or a peer that never finishes) is reset (``CANCELLED``) by ``handle_timer``; a reply has no such timer, the caller's
-own timeout ends it (``cancel``).
+bytes are buffered. Every request stream is charged to the endpoint's ``p2p.budget.ServeBudget`` (streams and bytes,
+per connection and in all) from its first byte until it is answered: a stream the budget refuses is reset
+(``OVERLOADED``), and the stalest incomplete streams it evicts to make room are reset the same way
+(``StreamsEvicted`` names those of other connections). A request stream that receives nothing for ``stream_timeout``
+seconds, or is not complete ``request_deadline`` seconds after its first byte (truncated, or a peer that never
+finishes), is reset (``CANCELLED``) by ``handle_timer``; a reply has no such timer, the caller's own timeout ends it
+(``cancel``).
 
 aioquic 1.7.2 pitfalls handled here (FIELD-NOTES): stream ids are ours, allocated in order and never reused
 (``create_stream`` hands out one id twice); per-stream state is dropped as soon as a stream ends (aioquic's reader
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from p2p.budget import Key, ServeBudget
 from p2p.identity import PeerId
 from p2p.quic_errors import ErrorCode, MessageTooLarge, RemoteError, TransportError
 
@@ -95,8 +100,15 @@ class CallFailed:
     error: TransportError
 
 
+@dataclass(frozen=True)
+class StreamsEvicted:
+    """The shared budget evicted these streams of *other* connections to make room: call ``evict`` on each owner."""
+
+    victims: tuple[Key, ...]
+
+
 Command = SendStream | ResetStream | AbortStream
-Event = RequestReceived | ServeCancelled | ReplyReceived | CallFailed
+Event = RequestReceived | ServeCancelled | ReplyReceived | CallFailed | StreamsEvicted
 Output = Command | Event
 
 
@@ -113,6 +125,7 @@ MAX_GAP = 1024  # peer stream ids skipped at once that we remember as still to c
 class _Incoming:
     """A request stream still arriving."""
 
+    opened: float  # when its first byte arrived
     last: float  # when data last arrived
     data: bytearray = field(default_factory=bytearray)
 
@@ -120,11 +133,19 @@ class _Incoming:
 class RequestStreams:
     """The request streams of one verified connection to ``peer``: ours (calls) and the peer's (serves).
 
-    ``serving`` False refuses every request (``NO_HANDLER``).
+    ``serving`` False refuses every request (``NO_HANDLER``). ``budget`` is shared by every connection of the
+    endpoint (a private one if omitted).
     """
 
     def __init__(
-        self, peer: PeerId, *, is_client: bool, max_message: int, serving: bool, stream_timeout: float
+        self,
+        peer: PeerId,
+        *,
+        is_client: bool,
+        max_message: int,
+        serving: bool,
+        stream_timeout: float,
+        budget: ServeBudget | None = None,
     ) -> None:
         if max_message < 1 or stream_timeout <= 0:
             raise ValueError("max_message and stream_timeout must be positive")
@@ -133,6 +154,7 @@ class RequestStreams:
         self.max_message = max_message
         self.serving = serving
         self.stream_timeout = stream_timeout
+        self.budget = budget or ServeBudget()
         self._next_id = 0 if is_client else 1  # our bidirectional streams: 0, 4, 8... (client) or 1, 5, 9...
         self._calls: dict[int, bytearray] = {}  # our requests, with the reply so far
         self._incoming: dict[int, _Incoming] = {}
@@ -175,7 +197,15 @@ class RequestStreams:
         if stream_id not in self._serving:
             return False
         self._serving.discard(stream_id)
+        self.budget.release(self, stream_id)
         return True
+
+    def evict(self, stream_id: int) -> list[Command]:
+        """The shared budget evicted this incomplete request stream for another connection's: reset it."""
+        if self._incoming.pop(stream_id, None) is None:
+            return []
+        log.warning("quic.request_evicted", peer=str(self.peer), stream=stream_id)
+        return [AbortStream(stream_id, ErrorCode.OVERLOADED)]
 
     # --- inputs from the transport ------------------------------------------------------------------------------
 
@@ -197,6 +227,7 @@ class RequestStreams:
             )
             return [CallFailed(stream_id, error)]
         self._incoming.pop(stream_id, None)
+        self.budget.release(self, stream_id)
         return [ServeCancelled(stream_id)] if self._answer(stream_id) else []
 
     def close(self, error: TransportError) -> list[Event]:
@@ -206,21 +237,27 @@ class RequestStreams:
         self._calls.clear()
         self._incoming.clear()
         self._serving.clear()
+        self.budget.release_all(self)
         return out
 
     def get_timer(self) -> float | None:
-        """When ``handle_timer`` must run next (the first incomplete request stream to go quiet too long)."""
-        return min((s.last + self.stream_timeout for s in self._incoming.values()), default=None)
+        """When ``handle_timer`` must run next (the first incomplete request stream to go quiet or late)."""
+        return min((self._expiry(s) for s in self._incoming.values()), default=None)
 
     def handle_timer(self, now: float) -> list[Command]:
-        """Reset the request streams that received nothing for ``stream_timeout`` seconds before their FIN."""
+        """Reset the request streams that received nothing for ``stream_timeout`` seconds, or are not complete
+        ``request_deadline`` seconds after their first byte."""
         out: list[Command] = []
         for sid, incoming in list(self._incoming.items()):
-            if incoming.last + self.stream_timeout <= now:
+            if self._expiry(incoming) <= now:
                 del self._incoming[sid]
+                self.budget.release(self, sid)
                 log.warning("quic.request_timed_out", peer=str(self.peer), stream=sid, size=len(incoming.data))
                 out.append(AbortStream(sid, ErrorCode.CANCELLED))
         return out
+
+    def _expiry(self, incoming: _Incoming) -> float:
+        return min(incoming.last + self.stream_timeout, incoming.opened + self.budget.limits.request_deadline)
 
     def buffered(self) -> int:
         """Bytes held for messages not yet complete (what a peer can make us buffer: at most ``max_message`` per
@@ -255,17 +292,28 @@ class RequestStreams:
                 return self._refuse_incoming(sid, ErrorCode.NO_HANDLER)
             if sid & 2:  # unidirectional streams carry nothing in our protocol
                 return self._refuse_incoming(sid, ErrorCode.PROTOCOL_VIOLATION)
-            incoming = self._incoming[sid] = _Incoming(last=now)
+            incoming = self._incoming[sid] = _Incoming(opened=now, last=now)
         if len(incoming.data) + len(data) > self.max_message:
             log.warning("quic.request_too_large", peer=str(self.peer), limit=self.max_message)
             return self._refuse_incoming(sid, ErrorCode.MESSAGE_TOO_LARGE)
+        charge = self.budget.charge(self, sid, len(data), now)
+        if charge.refused:
+            log.warning("quic.overloaded", peer=str(self.peer), stream=sid, reason=charge.refused)
+            return self._refuse_incoming(sid, ErrorCode.OVERLOADED)
+        out: list[Output] = []
+        others = tuple(v for v in charge.evicted if v[0] is not self)
+        for _, victim in set(charge.evicted) - set(others):
+            out += self.evict(victim)
+        if others:
+            out.append(StreamsEvicted(others))
         incoming.data += data
         incoming.last = now
         if not end_stream:
-            return []
+            return out
         del self._incoming[sid]
         self._serving.add(sid)
-        return [RequestReceived(sid, bytes(incoming.data))]
+        self.budget.complete(self, sid)
+        return [*out, RequestReceived(sid, bytes(incoming.data))]
 
     def _first_sight(self, sid: int) -> bool:
         """Whether ``sid`` is a peer stream we hear of for the first time, so that an ended stream's late data is
@@ -286,4 +334,5 @@ class RequestStreams:
 
     def _refuse_incoming(self, sid: int, code: ErrorCode) -> list[Output]:
         self._incoming.pop(sid, None)
+        self.budget.release(self, sid)
         return [AbortStream(sid, code)]

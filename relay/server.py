@@ -5,7 +5,13 @@ other path is 404. Each connection runs a ``relay.session.ServerSession``: the c
 the challenge, and from then on its ``SendPacket`` frames reach the named peer as ``RecvPacket`` with the source the
 relay verified. A second connection for the same peer id replaces the first.
 
-Memory is bounded whatever clients do: at most ``max_clients`` connections (more get HTTP 503); an incoming message
+Connections are bounded whatever clients do (``relay.admission``): at most ``max_clients`` in all and ``max_per_ip``
+from one remote IP; a connection that has not authenticated within the session's ``auth_timeout`` is closed (and a
+TCP connection that sends no WebSocket handshake within it too); when a newcomer would exceed a cap, the oldest
+unauthenticated connection in that scope is closed to make room, and only a scope full of authenticated peers
+answers HTTP 503. Behind a reverse proxy every client has the proxy's IP: raise ``max_per_ip`` (or 0: no cap).
+
+Memory is bounded whatever clients do: an incoming message
 is at most ``MAX_FRAME`` bytes (websockets rejects a larger length before reading it) and at most ``max_queue``
 are buffered per connection; each client's outgoing queue holds at most ``queue_packets`` frames and
 ``queue_bytes`` bytes, and all queues together at most ``total_queue_bytes``; a packet that does not fit is dropped
@@ -33,6 +39,7 @@ from websockets.typing import Subprotocol
 from experts.errors import UsageError
 from p2p.identity import Identity, PeerId
 
+from .admission import Admission
 from .protocol import MAX_FRAME, NONCE_SIZE, SUBPROTOCOL, PeerGone, Pong, RecvPacket
 from .session import (
     Authenticated,
@@ -58,6 +65,7 @@ class RelayLimits:
     """Caps that bound the relay's memory; see the module docstring for what each one guards."""
 
     max_clients: int = 1024
+    max_per_ip: int = 64  # connections from one remote IP; 0: no cap (behind a proxy every client shares its IP)
     queue_packets: int = 256
     queue_bytes: int = 1 << 20
     total_queue_bytes: int = 256 << 20
@@ -110,6 +118,7 @@ class RelayServer:
         self._clients: dict[PeerId, _Client] = {}  # authenticated, by peer id
         self._conns: set[_Client] = set()  # every open connection
         self._queued_total = 0
+        self._admission = Admission(self.limits.max_clients, self.limits.max_per_ip)
         self._server: Server | None = None
 
     async def start(self, host: str, port: int, *, tls: ssl.SSLContext | None = None) -> None:
@@ -125,6 +134,7 @@ class RelayServer:
             max_size=MAX_FRAME,
             max_queue=self.limits.max_queue,
             ping_interval=None,  # the session's own Ping frames keep connections alive (through proxies too)
+            open_timeout=self.limits.session.auth_timeout,  # a TCP connection that never sends its handshake
             close_timeout=self.limits.close_timeout,
         )
         sockname = next(iter(self._server.sockets)).getsockname()
@@ -157,9 +167,10 @@ class RelayServer:
             return ws.respond(HTTPStatus.OK, "ok\n")
         if request.path != RELAY_PATH:
             return ws.respond(HTTPStatus.NOT_FOUND, "not found\n")
-        if len(self._conns) >= self.limits.max_clients:
-            self._refused(ws, "relay full")
-            return ws.respond(HTTPStatus.SERVICE_UNAVAILABLE, "relay full\n")
+        verdict = self._admission.check(_ip(ws))
+        if not verdict.admit:
+            self._refused(ws, verdict.reason)
+            return ws.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"{verdict.reason}\n")
         return None
 
     def _refused(self, ws: ServerConnection, reason: str) -> None:
@@ -169,13 +180,18 @@ class RelayServer:
     # --- one connection -----------------------------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        if len(self._conns) >= self.limits.max_clients:  # handshakes that raced past _process_request
-            self._refused(ws, "relay full")
-            await ws.close(1013, "relay full")  # 1013: try again later
-            return
         loop = asyncio.get_running_loop()
         session = ServerSession(self.peer_id, os.urandom(NONCE_SIZE), loop.time(), self.limits.session)
         client = _Client(ws, session)
+        verdict = self._admission.open(client, _ip(ws))  # again: handshakes may have raced past _process_request
+        if not verdict.admit:
+            self._refused(ws, verdict.reason)
+            await ws.close(1013, verdict.reason[:120])  # 1013: try again later
+            return
+        for victim in verdict.evict:
+            assert isinstance(victim, _Client)
+            log.info("relay.evicted", remote=_remote(victim.ws), reason="unauthenticated, room needed for a newcomer")
+            self._apply(victim, victim.session.close("evicted: not authenticated, and the relay needed the room"))
         self._conns.add(client)
         client.tasks = [loop.create_task(self._write(client)), loop.create_task(self._keep_alive(client))]
         try:
@@ -203,6 +219,7 @@ class RelayServer:
             elif isinstance(event, Dropped):
                 self._drop(client, event.dst, event.reason)
             elif isinstance(event, Authenticated):
+                self._admission.authenticated(client)
                 self._register(client, event.peer)
             elif isinstance(event, Closed):
                 client.closed_by_relay = True
@@ -222,6 +239,7 @@ class RelayServer:
 
     def _leave(self, client: _Client) -> None:
         self._conns.discard(client)
+        self._admission.close(client)
         self._queued_total -= client.queued_bytes
         client.queue.clear()
         client.queued_bytes = 0
@@ -372,6 +390,11 @@ async def run_relay(
 def _remote(ws: ServerConnection) -> str:
     addr = ws.remote_address
     return f"{addr[0]}:{addr[1]}" if addr else "?"
+
+
+def _ip(ws: ServerConnection) -> str:
+    addr = ws.remote_address
+    return str(addr[0]) if addr else "?"
 
 
 def _host_for_url(host: str) -> str:

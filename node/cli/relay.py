@@ -14,7 +14,8 @@ from node.runtime import load_identity, parse_hostport, until_stopped, write_rea
 from node.status.coverage import Phase
 from node.status.server import NodeStatus, serve_status
 from p2p.identity import Identity
-from relay.server import RelayServer, run_relay
+from relay.server import RelayLimits, RelayServer, run_relay
+from relay.session import SessionLimits
 
 _PEM = click.Path(exists=True, dir_okay=False)
 
@@ -28,10 +29,14 @@ _PEM = click.Path(exists=True, dir_okay=False)
 @click.option("--bootstrap", multiple=True, help="DHT bootstrap multiaddr (repeatable): also serve as a reachability helper, announced in the DHT.")
 @click.option("--quic-listen", default=None, help="With --bootstrap: UDP HOST:PORT answering reachability probes (default: the --listen host and port number, over UDP).")
 @click.option("--dht-listen", default=None, help="With --bootstrap: TCP HOST:PORT for the DHT client (default: the --listen host, port 0).")
+@click.option("--max-clients", default=1024, show_default=True, type=click.IntRange(min=1), help="WebSocket connections in all; past it the oldest unauthenticated one is closed for a newcomer, and only a relay full of authenticated peers answers 503.")
+@click.option("--max-per-ip", default=64, show_default=True, type=click.IntRange(min=0), help="Connections from one remote IP (the same eviction rule); 0: no cap. Behind a reverse proxy every client has the proxy's IP: raise it or use 0.")
+@click.option("--auth-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.5), help="Seconds a connection may take to send its WebSocket handshake, and then to authenticate, before it is closed.")
 @http_opt
 def relay_cmd(
     listen: str, tls_cert: str | None, tls_key: str | None, data_dir: str | None, ready_file: str | None,
-    bootstrap: tuple[str, ...], quic_listen: str | None, dht_listen: str | None, http_addr: str | None,
+    bootstrap: tuple[str, ...], quic_listen: str | None, dht_listen: str | None, max_clients: int, max_per_ip: int,
+    auth_timeout: float, http_addr: str | None,
 ) -> None:
     """Relay packets between peers that cannot reach each other directly, until Ctrl-C."""
     host, port = parse_hostport(listen)
@@ -44,24 +49,25 @@ def relay_cmd(
         quic = parse_hostport(quic_listen) if quic_listen else (host, port)
         helper = (bootstrap, quic, dht_listen or f"{f'[{host}]' if ':' in host else host}:0")
     ident = load_identity(node_dir(data_dir, "relay"))
-    asyncio.run(_serve(ident, host, port, tls_cert, tls_key, ready_file, helper, parse_hostport(http_addr) if http_addr else None))
+    limits = RelayLimits(max_clients=max_clients, max_per_ip=max_per_ip, session=SessionLimits(auth_timeout=auth_timeout))
+    asyncio.run(_serve(ident, host, port, tls_cert, tls_key, ready_file, helper, parse_hostport(http_addr) if http_addr else None, limits))
 
 
 async def _serve(
     ident: Identity, host: str, port: int, tls_cert: str | None, tls_key: str | None, ready_file: str | None,
-    helper: tuple[tuple[str, ...], tuple[str, int], str] | None, http: tuple[str, int] | None,
+    helper: tuple[tuple[str, ...], tuple[str, int], str] | None, http: tuple[str, int] | None, limits: RelayLimits,
 ) -> None:
     status = NodeStatus("relay", str(ident.peer_id))
     async with serve_status(http, status):
-        await _relay(ident, host, port, tls_cert, tls_key, ready_file, helper, status)
+        await _relay(ident, host, port, tls_cert, tls_key, ready_file, helper, status, limits)
 
 
 async def _relay(
     ident: Identity, host: str, port: int, tls_cert: str | None, tls_key: str | None, ready_file: str | None,
-    helper: tuple[tuple[str, ...], tuple[str, int], str] | None, status: NodeStatus,
+    helper: tuple[tuple[str, ...], tuple[str, int], str] | None, status: NodeStatus, limits: RelayLimits,
 ) -> None:
     ready: asyncio.Future[RelayServer] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(run_relay(ident, host, port, tls_cert=tls_cert, tls_key=tls_key, ready=ready))
+    task = asyncio.create_task(run_relay(ident, host, port, tls_cert=tls_cert, tls_key=tls_key, ready=ready, limits=limits))
     await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():
         try:

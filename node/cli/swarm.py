@@ -24,6 +24,7 @@ from node.runtime import load_identity, parse_hostport
 from node.status.server import model_shape
 from node.verdicts import default_wire
 from node.worker.node import WorkerOptions, run_worker
+from p2p.budget import ServeLimits
 from p2p.records import MalformedRecord, check_quic_addr, check_relay_url
 
 
@@ -85,11 +86,17 @@ def _print_bootstrap(addrs: list[str]) -> None:
 @click.option("--drain-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0), help="On SIGTERM/SIGINT: seconds to finish the dispatches in flight (after withdrawing the records, new ones are refused) before closing.")
 @click.option("--dispatch-delay", default=0.0, hidden=True, type=click.FloatRange(min=0), help="Test only: seconds every dispatch waits before computing.")
 @click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay).")
+@click.option("--request-buffer", default="64M", show_default=True, help="Request bytes all peers together may make this worker hold (arriving or being computed); past it the stalest unfinished requests are reset, then new ones refused (OVERLOADED).")
+@click.option("--request-buffer-per-peer", default="16M", show_default=True, help="Request bytes one connection may make this worker hold (also the largest request it accepts); past it its new streams are refused (OVERLOADED).")
+@click.option("--max-streams-per-peer", default=64, show_default=True, type=click.IntRange(min=1), help="Request streams one connection may have open at once.")
+@click.option("--request-deadline", default=30.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds from a request's first byte to its end; a slower request is reset and freed.")
+@click.option("--max-in-flight", default=256, show_default=True, type=click.IntRange(min=1), help="Dispatches computed or queued at once, all peers; more get an OVERLOADED error reply.")
+@click.option("--max-in-flight-per-peer", default=32, show_default=True, type=click.IntRange(min=1), help="Dispatches computed or queued at once for one peer; more get an OVERLOADED error reply.")
 @relay_opts
 @http_opt
 @data_dir_opt
 @ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, relay_ca, relay_keepalive, http_addr, data_dir, ready_file) -> None:
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, request_buffer, request_buffer_per_peer, max_streams_per_peer, request_deadline, max_in_flight, max_in_flight_per_peer, relay_ca, relay_keepalive, http_addr, data_dir, ready_file) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
@@ -117,12 +124,22 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         recheck_s=recheck_s,
         drain_timeout=drain_timeout,
         dispatch_delay=dispatch_delay,
+        serve_limits=_serve_limits(request_buffer, request_buffer_per_peer, max_streams_per_peer, request_deadline),
+        max_in_flight=max_in_flight,
+        max_in_flight_per_peer=max_in_flight_per_peer,
     )
     if relay_only and not relay:
         raise click.UsageError("--relay-only needs --relay URL")
     home = node_dir(data_dir, "worker")
     ident = load_identity(home)
     asyncio.run(run_worker(ident, opts, ready_file, None if no_ledger else home / FILENAME, http=parse_hostport(http_addr) if http_addr else None))
+
+
+def _serve_limits(buffer: str, per_peer: str, streams: int, deadline: float) -> ServeLimits:
+    try:
+        return ServeLimits(max_bytes=parse_size(buffer), max_bytes_per_conn=parse_size(per_peer), max_streams_per_conn=streams, request_deadline=deadline)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.group("backbone", cls=LazyGroup, lazy_subcommands={"generate": "node.cli.swarm:generate_cmd", "serve": "node.cli.serve:serve_cmd"})

@@ -28,7 +28,9 @@ from node.runtime import until_stopped, write_ready
 from node.status.coverage import Phase
 from node.status.server import NodeStatus, model_shape, serve_status
 from node.worker.lifecycle import Lifecycle, State
-from node.worker.service import Worker
+from node.worker.service import MAX_IN_FLIGHT, MAX_IN_FLIGHT_PER_PEER, Worker
+from p2p import wire
+from p2p.budget import ServeLimits
 from p2p.dht import LibP2PDiscovery
 from p2p.helpers import NodeReachability, helper_address
 from p2p.identity import Identity
@@ -64,6 +66,9 @@ class WorkerOptions:
     recheck_s: float = 300.0  # with a relay: seconds between reachability re-checks (a change is re-announced)
     drain_timeout: float = 10.0  # on SIGTERM: seconds to finish the dispatches in flight before closing
     dispatch_delay: float = 0.0  # test only: seconds every dispatch waits before computing (holds it in flight)
+    serve_limits: ServeLimits = ServeLimits()  # what peers may make the QUIC endpoint hold (p2p.budget)
+    max_in_flight: int = MAX_IN_FLIGHT  # dispatches accepted and not yet answered, all peers; then OVERLOADED
+    max_in_flight_per_peer: int = MAX_IN_FLIGHT_PER_PEER
 
 
 WITHDRAW_TIMEOUT_S = 10.0  # past it shutdown goes on; the records then expire on their own
@@ -108,13 +113,13 @@ class WorkerNode:
         self.ledger = LedgerSink(self.ledger_path, "worker", identity) if self.ledger_path else None
         if self.ledger:
             stack.callback(self.ledger.close)
-        self.worker = worker = Worker(identity, store, price=opts.price, ledger=self.ledger, delay=opts.dispatch_delay)
+        self.worker = worker = Worker(identity, store, price=opts.price, ledger=self.ledger, delay=opts.dispatch_delay, max_in_flight=opts.max_in_flight, max_in_flight_per_peer=opts.max_in_flight_per_peer)
         stack.callback(worker.close)
         # A worker behind a relay may be NAT-bound: it joins the DHT as a client (nobody may be able to dial it, so
         # it must not host records), also when its check finds it public.
         self.dht = dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap, client_mode=bool(opts.relay))
         stack.push_async_callback(dht.close)
-        self.endpoint = endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram)
+        self.endpoint = endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram, max_message=min(wire.MAX_MESSAGE, opts.serve_limits.max_bytes_per_conn), serve_limits=opts.serve_limits)
         stack.push_async_callback(endpoint.close)
         port = endpoint.local_addr[1]
         self.configured = opts.advertise or helper_address(opts.listen[0], port)  # a direct address we were told, if any

@@ -36,6 +36,8 @@ log = structlog.get_logger("node.worker.service")
 # few tokens of a small model take ~0.1 ms there, while the round trip through the pool thread costs ~1 ms under
 # load. Larger batches go to the pool so the loop keeps serving other requests meanwhile.
 INLINE_WORK = 4_000_000
+MAX_IN_FLIGHT = 256  # dispatches accepted and not yet answered, all peers (docs/architecture.md, "Limits")
+MAX_IN_FLIGHT_PER_PEER = 32  # ... from one peer
 
 
 class NotHosted(wire.ProtocolError):
@@ -52,6 +54,10 @@ class ComputeFailed(wire.ProtocolError):
 
 class Draining(wire.ProtocolError):
     error_code = wire.ErrorCode.DRAINING
+
+
+class Overloaded(wire.ProtocolError):
+    error_code = wire.ErrorCode.OVERLOADED
 
 
 @dataclass
@@ -75,7 +81,7 @@ class WorkerStats:
 class Worker:
     """Dispatch handler over the hosted experts (an :class:`experts.moe.ExpertSource`); plug ``handle`` into a QUIC endpoint."""
 
-    def __init__(self, identity: Identity, store: ExpertSource, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK, delay: float = 0.0) -> None:
+    def __init__(self, identity: Identity, store: ExpertSource, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK, delay: float = 0.0, max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_peer: int = MAX_IN_FLIGHT_PER_PEER) -> None:
         self.identity = identity
         self.delay = delay  # test only: seconds every dispatch waits before it computes (to hold dispatches in flight)
         self.inline_work = inline_work
@@ -91,6 +97,8 @@ class Worker:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="experts")
         self.refusing = False  # draining: new dispatch requests get ErrorCode.DRAINING
         self.in_flight = 0  # dispatch requests accepted and not yet answered
+        self.max_in_flight, self.max_in_flight_per_peer = max_in_flight, max_in_flight_per_peer
+        self._in_flight_by: dict[PeerId, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -119,12 +127,16 @@ class Worker:
                 raise wire.InvalidField("type", f"a worker answers DispatchRequest, Ping and LedgerHead, not {type(msg).__name__}")
             if self.refusing:
                 raise Draining("type", "this worker is shutting down and withdrew its records; ask another replica")
+            self._admit(peer)
             self.in_flight += 1
+            self._in_flight_by[peer] = self._in_flight_by.get(peer, 0) + 1
             self._idle.clear()
             try:
                 reply = await self._dispatch(peer, msg, data, t0)
             finally:
                 self.in_flight -= 1
+                if (left := self._in_flight_by.pop(peer) - 1) > 0:
+                    self._in_flight_by[peer] = left
                 if not self.in_flight:
                     self._idle.set()
         except (wire.ProtocolError, CodecError) as exc:
@@ -146,6 +158,17 @@ class Worker:
         answer = await asyncio.to_thread(self.ledger.hash_at, msg.ask_seq) if msg.ask_seq else UNKNOWN
         log.debug("ledger.head_exchanged", peer=str(peer), their_seq=msg.seq, our_seq=ours.seq)
         return wire.LedgerHead(wire.Role.WORKER, ours.seq, ours.entry_hash, ours.signature, msg.ask_seq, answer)
+
+    def _admit(self, peer: PeerId) -> None:
+        """Refuse (OVERLOADED) a dispatch past the in-flight caps: the backbone tries another replica or computes
+        locally. One peer cannot occupy every compute slot, and a peer with nothing in flight is admitted even past
+        the global cap, so a flood from many identities cannot starve the others (the transport's budget still
+        bounds what all of them hold)."""
+        mine = self._in_flight_by.get(peer, 0)
+        if self.in_flight >= self.max_in_flight and mine:
+            raise Overloaded("type", f"{self.in_flight} dispatches in flight (limit {self.max_in_flight}); retry later or ask another replica")
+        if mine >= self.max_in_flight_per_peer:
+            raise Overloaded("type", f"{self.max_in_flight_per_peer} of your dispatches are in flight here (the per-peer limit)")
 
     async def _dispatch(self, peer: PeerId, req: wire.DispatchRequest, data: bytes, t0: float) -> bytes:
         if req.model_id != self._model_id:

@@ -11,6 +11,7 @@ from typing import cast
 
 import pytest
 
+from p2p.budget import ServeBudget, ServeLimits
 from p2p.identity import Identity
 from p2p.quic_errors import ConnectionLost, ErrorCode, MessageTooLarge, RemoteError
 from p2p.quic_streams import (
@@ -28,6 +29,7 @@ from p2p.quic_streams import (
 
 CLIENT, SERVER = Identity.generate().peer_id, Identity.generate().peer_id
 TIMEOUT = 5.0
+ROOMY = ServeLimits(max_streams_per_conn=1024)  # the wire's own tests interleave hundreds of streams (budget: test_budget)
 
 
 @dataclass(eq=False)
@@ -54,7 +56,7 @@ class Wire:
         self.chunk = chunk
         self.client = Side(RequestStreams(SERVER, is_client=True, max_message=client_max, serving=True, stream_timeout=TIMEOUT))
         self.server = Side(
-            RequestStreams(CLIENT, is_client=False, max_message=server_max, serving=serving, stream_timeout=TIMEOUT)
+            RequestStreams(CLIENT, is_client=False, max_message=server_max, serving=serving, stream_timeout=TIMEOUT, budget=ServeBudget(ROOMY))
         )
         self.lanes: dict[tuple[int, int], deque[Packet]] = {}
 
