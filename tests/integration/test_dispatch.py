@@ -176,6 +176,37 @@ def test_malformed_frames_leave_the_worker_serving(model_dir):
     assert isinstance(reply, wire.DispatchReply) and reply.partial == want.tobytes()
 
 
+def test_worker_refuses_to_sign_overflowing_sums(model_dir):
+    """Hidden states of 3e38 (finite) overflow the experts' sums: the worker answers INTERNAL, signs nothing, and still serves."""
+    model = GGUFModel(make_model(model_dir, "qwen3moe"))
+
+    async def main():
+        ident = Identity.generate()
+        worker = Worker(ident, ExpertStore(model))
+        wep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
+        cep = await Endpoint.bind(Identity.generate(), "127.0.0.1", 0, handler=None)
+        model_id = wire.model_id_of(bytes.fromhex(model.digest))
+
+        def request(x):
+            return wire.DispatchRequest(os.urandom(16), model_id, 0, Codec.F32, 1, 2, (1, 3), (0.5, 0.25), x.tobytes()).encode()
+
+        try:
+            huge = np.full((1, model.cfg.n_embd), 3e38, dtype=np.float32)
+            refused = wire.decode(await wep_request(cep, wep, ident, request(huge)))
+            served = wire.decode(await wep_request(cep, wep, ident, request(np.ones((1, model.cfg.n_embd), dtype=np.float32))))
+            return refused, served, worker.stats
+        finally:
+            await cep.close()
+            await wep.close()
+            worker.close()
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        refused, served, stats = asyncio.run(main())
+    assert isinstance(refused, wire.ErrorReply) and refused.code is wire.ErrorCode.INTERNAL and "refusing to sign" in refused.message
+    assert isinstance(served, wire.DispatchReply) and np.isfinite(np.frombuffer(served.partial, "<f4")).all()
+    assert stats.dispatches == 1 and stats.errors == 1  # only the finite answer was signed
+
+
 async def wep_request(cep, wep, ident, frame):
     return await cep.request(wep.local_addr, ident.peer_id, frame, timeout=5.0)
 
