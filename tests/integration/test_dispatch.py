@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from experts.codecs import Codec
 from experts.forward import Backbone, KVCache, local_moe
@@ -46,14 +47,15 @@ async def start_swarm(model: GGUFModel, ranges, board):
 
 
 @contextlib.asynccontextmanager
-async def remote_swarm(model: GGUFModel, ranges, connector_type: type[Connector] = Connector, **moe_kw):
-    """Workers for `ranges` on real sockets and a backbone's RemoteMoE that found them; all closed on exit."""
+async def remote_swarm(model: GGUFModel, ranges, connector_type: type[Connector] = Connector, *, hold_experts: bool = True, **moe_kw):
+    """Workers for `ranges` on real sockets and a backbone's RemoteMoE that found them (holding the experts itself
+    unless *hold_experts* is False); all closed on exit."""
     board = InMemoryBoard()
     workers = await start_swarm(model, ranges, board)
     ident = Identity.generate()
     ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=None)
     cfg = model.cfg
-    moe = RemoteMoE(connector_type(ep), InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model), loop=asyncio.get_running_loop(), **moe_kw)
+    moe = RemoteMoE(connector_type(ep), InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model) if hold_experts else None, loop=asyncio.get_running_loop(), **moe_kw)
     try:
         await moe.refresh(model.layers)
         yield moe
@@ -174,6 +176,32 @@ def test_malformed_frames_leave_the_worker_serving(model_dir):
     x = np.ones((1, model.cfg.n_embd), dtype=np.float32)
     want, _ = partial_sum(ExpertStore(model), 0, x, np.array([[1, 3]]), np.array([[0.5, 0.25]], dtype=np.float32), np.ones((1, 2), bool))
     assert isinstance(reply, wire.DispatchReply) and reply.partial == want.tobytes()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_backbone_holding_no_experts_verifies_by_asking_another_replica(model_dir, replicas):
+    """--verify-all without local experts: two replicas cross-check every dispatch (exact logits); a sole replica's
+    answers are accepted unverified, and that is logged once."""
+    model = GGUFModel(make_model(model_dir, "qwen3moe"))
+
+    async def main():
+        async with remote_swarm(model, [(0, 8)] * replicas, hold_experts=False, spot_check=1.0, timeout=2.0) as moe:
+            logits = await asyncio.to_thread(Backbone(model).forward, TOKENS, KVCache(), moe.hook)
+        return logits, moe
+
+    with capture_logs() as logs:
+        logits, moe = asyncio.run(main())
+    store = ExpertStore(model)
+    local = Backbone(model).forward(TOKENS, KVCache(), local_moe(lambda i, x, e, w: grouped_moe(store, Partition(((0, 8),)), i, x, e, w)))
+    assert logits.tobytes() == local.tobytes()
+    n_layers = len(model.moe_layers)
+    assert moe.checker.checked == n_layers and moe.checker.caught == 0 and not moe.disputes
+    unverifiable = [e for e in logs if e["event"] == "spotcheck.unverifiable"]
+    if replicas == 1:
+        assert moe.checker.unverifiable == n_layers and len(unverifiable) == 1
+    else:
+        assert moe.checker.unverifiable == 0 and not unverifiable
+        assert len(moe.receipts) == 2 * n_layers  # the re-asked replica did the work too, and is paid for it
 
 
 def test_worker_refuses_to_sign_overflowing_sums(model_dir):
