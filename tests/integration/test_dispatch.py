@@ -33,25 +33,42 @@ from ..conftest import make_model
 TOKENS = [264, 72, 101, 108, 108, 111, 44, 32, 116, 104, 101, 114, 101]
 
 
-async def start_swarm(model: GGUFModel, ranges, board):
+class CheatingWorker(Worker):
+    """Answers every dispatch with its sums nudged by 1% noise (as tests/doubles/malicious_worker.py, in process)."""
+
+    peers: set[str] = set()  # every cheat's peer id, for the tests to name it
+
+    def __init__(self, identity: Identity, *args, **kw) -> None:
+        super().__init__(identity, *args, **kw)
+        self.peers.add(str(identity.peer_id))
+
+    async def _compute(self, layer, x, ids, w, held):
+        sums = await super()._compute(layer, x, ids, w, held)
+        return sums + 0.01 * float(np.abs(sums).mean()) * np.random.default_rng(layer).standard_normal(sums.shape).astype(np.float32)
+
+
+async def start_swarm(model: GGUFModel, ranges, board, cheats: frozenset[int] = frozenset()):
+    """Workers for *ranges* on real sockets, announced on *board*; those at the indexes in *cheats* return wrong sums
+    (and ask no price while the others ask 1, so a backbone tries them first)."""
     workers = []
-    for a, b in ranges:
+    for i, (a, b) in enumerate(ranges):
         ident = Identity.generate()
-        worker = Worker(ident, ExpertStore(model, experts=ExpertRange(a, b)))
+        price = 1 if cheats and i not in cheats else 0
+        worker = (CheatingWorker if i in cheats else Worker)(ident, ExpertStore(model, experts=ExpertRange(a, b)), price=price)
         ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
         disc = InMemoryDiscovery(ident, board)
         addr = f"127.0.0.1:{ep.local_addr[1]}"
-        await disc.announce([HostedSlice(model.digest, layer, ((a, b),), quic_addr=addr) for layer in model.layers])
+        await disc.announce([HostedSlice(model.digest, layer, ((a, b),), quic_addr=addr, price=price) for layer in model.layers])
         workers.append((worker, ep, disc))
     return workers
 
 
 @contextlib.asynccontextmanager
-async def remote_swarm(model: GGUFModel, ranges, connector_type: type[Connector] = Connector, *, hold_experts: bool = True, **moe_kw):
+async def remote_swarm(model: GGUFModel, ranges, connector_type: type[Connector] = Connector, *, hold_experts: bool = True, cheats: frozenset[int] = frozenset(), **moe_kw):
     """Workers for `ranges` on real sockets and a backbone's RemoteMoE that found them (holding the experts itself
     unless *hold_experts* is False); all closed on exit."""
     board = InMemoryBoard()
-    workers = await start_swarm(model, ranges, board)
+    workers = await start_swarm(model, ranges, board, cheats)
     ident = Identity.generate()
     ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=None)
     cfg = model.cfg
@@ -202,6 +219,32 @@ def test_a_backbone_holding_no_experts_verifies_by_asking_another_replica(model_
     else:
         assert moe.checker.unverifiable == 0 and not unverifiable
         assert len(moe.receipts) == 2 * n_layers  # the re-asked replica did the work too, and is paid for it
+
+
+@pytest.mark.parametrize("honest", [1, 2])
+def test_a_cheat_checked_by_replicas_is_caught_only_when_a_third_settles_it(model_dir, honest):
+    """--verify-all, no local experts, one cheat: with two honest replicas beside it the cheat is caught wherever it answers
+    (as the first host or the re-asked one) and every answer used is right; with one, the disagreement stays unsettled."""
+    model = GGUFModel(make_model(model_dir, "qwen3moe"))
+
+    async def main():
+        async with remote_swarm(model, [(0, 8)] * (honest + 1), hold_experts=False, cheats=frozenset({0}), spot_check=1.0, timeout=2.0) as moe:
+            logits = await asyncio.to_thread(Backbone(model).forward, TOKENS, KVCache(), moe.hook)
+        return logits, moe
+
+    with capture_logs() as logs:
+        logits, moe = asyncio.run(main())
+    store = ExpertStore(model)
+    local = Backbone(model).forward(TOKENS, KVCache(), local_moe(lambda i, x, e, w: grouped_moe(store, Partition(((0, 8),)), i, x, e, w)))
+    events = [e["event"] for e in logs]
+    if honest == 2:
+        assert logits.tobytes() == local.tobytes()  # every answer a cheat gave was caught and replaced
+        assert moe.checker.caught == 1 and moe.checker.unsettled == 0
+        (cheat,) = moe.checker.culprits
+        assert cheat in CheatingWorker.peers
+        assert all(r.worker != cheat for r in moe.receipts) and {d.receipt.worker for d in moe.disputes} == {cheat}  # unpaid
+    else:
+        assert moe.checker.caught == 0 and moe.checker.unsettled >= 1 and "spotcheck.unsettled" in events
 
 
 def test_worker_refuses_to_sign_overflowing_sums(model_dir):
