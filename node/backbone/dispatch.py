@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import time
 from collections import deque
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -36,8 +37,9 @@ from experts.errors import MoeSwarmError
 from experts.moe import ExpertSource, combine
 from node.backbone.heads import HeadExchange
 from node.backbone.hot import HotExperts
+from node.backbone.provenance import Provenance
 from node.backbone.routing import Host, LayerRoute, Router
-from node.backbone.spotcheck import SpotChecker, compare
+from node.backbone.spotcheck import DEFAULT_SPOT_CHECK, Answer, CheckResult, SpotChecker, agree, compare, settle
 from node.ledger.receipts import (
     Receipt,
     ReceiptError,
@@ -177,12 +179,12 @@ class RemoteMoE:
         n_embd: int,
         n_ff_exp: int,
         n_expert: int,
-        fallback: ExpertSource,
+        fallback: ExpertSource | None,
         *,
         loop: asyncio.AbstractEventLoop,
         codec: Codec = Codec.F32,
         timeout: float = 5.0,
-        spot_check: float = 0.0,
+        spot_check: float = DEFAULT_SPOT_CHECK,
         spot_seed: int | None = None,
         ledger: LedgerSink | None = None,
         hot: HotExperts | None = None,
@@ -191,7 +193,8 @@ class RemoteMoE:
     ) -> None:
         """Everything the dispatcher needs, complete: *codec* must already be allowed for the model (the
         composition root checks the verdict store), *loop* owns *connector*'s endpoint (:meth:`hook` is
-        called from the forward's thread and hands each layer to it)."""
+        called from the forward's thread and hands each layer to it). *fallback* None: the backbone holds no
+        routed experts (a model too large for it): no local compute, spot checks re-ask another replica."""
         self.connector = connector
         self.discovery = discovery
         self.model_digest = model_digest
@@ -242,15 +245,16 @@ class RemoteMoE:
         if self.heads:
             await self.heads.close()
 
-    def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None) -> Future:
+    def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None, provenance: Provenance | None = None) -> Future:
         """The ``moe_ffn`` for :class:`experts.forward.Backbone`, called off the loop thread.
 
         Returns a Future at once, so the forward computes the shared expert during the round trip.
         """
-        return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w, pins), self.loop)
+        return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w, pins, provenance), self.loop)
 
-    async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None) -> np.ndarray:
-        """*pins*, if given, steers each group to the host pinned for it (while that host is ready) and records the host that answered."""
+    async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None, provenance: Provenance | None = None) -> np.ndarray:
+        """*pins*, if given, steers each group to the host pinned for it (while that host is ready) and records the host that answered.
+        *provenance*, if given (rows are one sequence's consecutive positions), learns which rows used unchecked remote sums."""
         self.stats.tokens_forwarded += x.shape[0]
         t0 = time.perf_counter()
         if layer not in self.router.routes:
@@ -264,7 +268,8 @@ class RemoteMoE:
             rows = held.any(axis=1)
             present.append(rows)
             if rows.any():
-                jobs.append((g, rows, self._group(layer, route, g, x[rows], np.where(held, ids, -1)[rows], w[rows], held[rows], pins)))
+                mark = functools.partial(provenance.used, row=int(np.argmax(rows))) if provenance else None
+                jobs.append((g, rows, self._group(layer, route, g, x[rows], np.where(held, ids, -1)[rows], w[rows], held[rows], pins, mark)))
         if is_hot.any():  # the backbone's own hot experts: computed here while the round trips are in flight
             rows = is_hot.any(axis=1)
             present.append(rows)
@@ -285,32 +290,49 @@ class RemoteMoE:
         return combine(partials)
 
     async def _local(self, layer: int, x, ids, w, held) -> np.ndarray:
+        if self.fallback is None:
+            raise DispatchFailed(f"no host answered for layer {layer}, and this backbone holds no experts to compute them itself")
         loop = asyncio.get_running_loop()
         sums, _ = await loop.run_in_executor(None, self.fallback.partial_sum, layer, x, ids, w, held)
         return sums
 
-    async def _group(self, layer: int, route: LayerRoute, group: int, x, ids, w, held, pins: Pins | None) -> np.ndarray:
+    async def _group(self, layer: int, route: LayerRoute, group: int, x, ids, w, held, pins: Pins | None, mark: Callable[[str], None] | None = None) -> np.ndarray:
+        """*mark*, if given, is told the peer whose answer was used unchecked (see :mod:`node.backbone.provenance`)."""
         key = (layer, route.partition.bounds[group])
         plan = self.router.plan(route, group, time.monotonic(), prefer=pins.get(key) if pins else None)
-        for host in plan.probe:  # benched or demoted: never waited on, asked in the background with the same data
+        # Benched or demoted hosts are never waited on: asked in the background with the same data while the group
+        # is computed here. A backbone that holds no experts has nothing to compute: for it they are the last resort.
+        last_resort = plan.probe if self.fallback is None else []
+        for host in plan.probe if self.fallback is not None else []:
             self._background(self._probe(host, layer, x, ids, w, held))
+
+        def won(winner: Host, sums: np.ndarray, checked: bool) -> np.ndarray:
+            if pins is not None:
+                pins[key] = winner.peer_id
+            if mark is not None and not checked:
+                mark(str(winner.peer_id))
+            return sums
+
         tried: set[PeerId] = set()
         for i, host in enumerate(plan.ask):
             if host.peer_id in tried or self.router.health[host.peer_id].failures:  # failed since the plan was made
                 continue
             backup = next((h for h in plan.ask[i + 1 :] if not self.router.health[h.peer_id].failures), None) if self.hedge else None
             try:
-                winner, sums = await self._ask(host, backup, tried, layer, x, ids, w, held)
+                winner, (sums, checked) = await self._ask(host, backup, tried, layer, x, ids, w, held)
             except DispatchFailed:
                 continue
-            if pins is not None:
-                pins[key] = winner.peer_id
-            return sums
+            return won(winner, sums, checked)
+        for host in last_resort:
+            try:
+                return won(host, *await self._attempt(host, layer, x, ids, w, held))
+            except DispatchFailed:
+                continue
         self.stats.local_groups += 1
         log.info("dispatch.local", layer=layer, group=list(route.partition.bounds[group]), n_tokens=x.shape[0])
         return await self._local(layer, x, ids, w, held)
 
-    async def _ask(self, host: Host, backup: Host | None, tried: set[PeerId], layer: int, x, ids, w, held) -> tuple[Host, np.ndarray]:
+    async def _ask(self, host: Host, backup: Host | None, tried: set[PeerId], layer: int, x, ids, w, held) -> tuple[Host, tuple[np.ndarray, bool]]:
         """Ask *host*; with a *backup* (hedging) ask it too once *host* is later than ``Router.hedge_after``. The first
         good answer wins; the slower dispatch finishes in the background (its receipt kept, its round trip measured).
         Raises DispatchFailed when every host asked failed (each already charged by ``_failed``)."""
@@ -337,8 +359,8 @@ class RemoteMoE:
                 return tasks[good], good.result()
         raise DispatchFailed(f"{len(tasks)} hosts asked, none answered")
 
-    async def _attempt(self, host: Host, layer: int, x, ids, w, held) -> np.ndarray:
-        """One dispatch within *host*'s deadline; a failure is charged to it (``_failed``) and re-raised."""
+    async def _attempt(self, host: Host, layer: int, x, ids, w, held) -> tuple[np.ndarray, bool]:
+        """One dispatch within *host*'s deadline, (sums, verified); a failure is charged to it (``_failed``) and re-raised."""
         try:
             return await self._send(host, layer, x, ids, w, held, timeout=self.router.deadline(host.peer_id, x.shape[0], self.timeout))
         except DispatchFailed as exc:
@@ -375,8 +397,19 @@ class RemoteMoE:
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_finished)
 
-    async def _send(self, host: Host, layer: int, x, ids, w, held, *, timeout: float, probe: bool = False) -> np.ndarray:
-        """One request to *host*, waiting at most *timeout* s; raises DispatchFailed (HostTimedOut, HostDraining)."""
+    async def _send(self, host: Host, layer: int, x, ids, w, held, *, timeout: float, probe: bool = False) -> tuple[np.ndarray, bool]:
+        """*host*'s answer within *timeout* s, spot-checked if sampled: (sums to use, whether they were verified)."""
+        sums, receipt, stamp = await self._exchange(host, layer, x, ids, w, held, timeout=timeout, probe=probe)
+        if self.heads:
+            self.heads.after_dispatch(host)
+        if not self.checker.should_check():
+            self._accept(receipt, stamp)
+            return sums, False
+        return await self._spot_check(host, layer, x, ids, w, held, Answer(sums, host.kernel), receipt, stamp)
+
+    async def _exchange(self, host: Host, layer: int, x, ids, w, held, *, timeout: float, probe: bool = False) -> tuple[np.ndarray, Receipt, ReceiptStamp]:
+        """One request to *host* and its verified reply, waiting at most *timeout* s: (sums, rebuilt receipt, its
+        stamp); DispatchFailed otherwise (HostTimedOut, HostDraining)."""
         n, k = ids.shape
         req = wire.DispatchRequest(
             dispatch_id=os.urandom(16),
@@ -427,26 +460,85 @@ class RemoteMoE:
             log.info("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok, probe=probe)
         compute_ms = msg.compute_us / 1e3
         self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0), compute_ms, n)
-        if self.checker.should_check():
-            want = await self._spot_check(host, layer, x, ids, w, held, sums, receipt, stamp)
-            if want is not None:
-                return want
+        return sums, receipt, stamp
+
+    def _accept(self, receipt: Receipt, stamp: ReceiptStamp) -> None:
         self.receipts.append(receipt)
         log.info("receipt.accepted", **dataclasses.asdict(receipt))  # the ledger entry's fields, as one event
         if self.ledger:
             self.ledger.receipt(receipt, stamp)
-        if self.heads:
-            self.heads.after_dispatch(host)
-        return sums
 
-    async def _spot_check(self, host: Host, layer: int, x, ids, w, held, sums, receipt: Receipt, stamp: ReceiptStamp) -> np.ndarray | None:
-        """Re-compute this dispatch locally; on a mismatch dispute the receipt, ban the host, return the right answer."""
+    async def _spot_check(self, host: Host, layer: int, x, ids, w, held, got: Answer, receipt: Receipt, stamp: ReceiptStamp) -> tuple[np.ndarray, bool]:
+        """Re-compute this dispatch: locally if the backbone holds the experts, else on other replicas.
+
+        Returns (sums to use, verified): a caught host's receipt is disputed, it is banned, and the
+        right answer is used; with nobody to ask (or no settling third answer) its answer stands, unverified.
+        """
         self.checker.checked += 1
-        want = codecs.roundtrip(self.codec, await self._local(layer, codecs.roundtrip(self.codec, x), ids, w, held))
-        result = compare(self.codec, sums, want, same_kernel=host.kernel == str(self.fallback.identity))
-        if result.ok:
-            return None
+        if self.fallback is not None:
+            want = codecs.roundtrip(self.codec, await self._local(layer, codecs.roundtrip(self.codec, x), ids, w, held))
+            result = compare(self.codec, got.sums, want, same_kernel=host.kernel == str(self.fallback.identity))
+            if not result.ok:
+                self._catch(host, layer, receipt, stamp, result)
+                return want, True
+            self._accept(receipt, stamp)
+            return got.sums, True
+        asked = await self._ask_replicas(host, layer, x, ids, w, held, 1)
+        if not asked:
+            self._unverifiable(host, layer)
+            self._accept(receipt, stamp)
+            return got.sums, False
+        (ref, ref_answer, ref_receipt, ref_stamp), = asked
+        if agree(self.codec, got, ref_answer).ok:
+            self._accept(receipt, stamp)
+            self._accept(ref_receipt, ref_stamp)
+            return got.sums, True
+        third = await self._ask_replicas(host, layer, x, ids, w, held, 1, skip={ref.peer_id})
+        verdict = settle(self.codec, got, ref_answer, third[0][1]) if third else None
+        for _, _, r, st in third:
+            self._accept(r, st)
+        if verdict is None or verdict.wrong is None:
+            self.checker.unsettled += 1
+            log.warning("spotcheck.unsettled", layer=layer, peers=[str(host.peer_id), str(ref.peer_id)], third=bool(third))
+            self._accept(receipt, stamp)
+            self._accept(ref_receipt, ref_stamp)
+            return got.sums, False
+        if verdict.wrong == 0:
+            self._catch(host, layer, receipt, stamp, verdict.evidence)
+            self._accept(ref_receipt, ref_stamp)
+            return ref_answer.sums, True
+        self._catch(ref, layer, ref_receipt, ref_stamp, verdict.evidence)
+        self._accept(receipt, stamp)
+        return got.sums, True
+
+    async def _ask_replicas(self, host: Host, layer: int, x, ids, w, held, n: int, skip: frozenset | set = frozenset()) -> list[tuple[Host, Answer, Receipt, ReceiptStamp]]:
+        """The same dispatch on up to *n* other replicas that hold its experts (not *host*, not *skip*), best first."""
+        route = self.router.routes[layer]
+        lo, hi = int(ids[held].min()), int(ids[held].max())
+        group = next(g for g, (a, b) in enumerate(route.partition.bounds) if a <= lo and hi < b)
+        out = []
+        for other in self.router.candidates(layer, group, time.monotonic()):
+            if len(out) == n:
+                break
+            if other.peer_id == host.peer_id or other.peer_id in skip:
+                continue
+            try:
+                sums, r, st = await self._exchange(other, layer, x, ids, w, held, timeout=self.router.deadline(other.peer_id, x.shape[0], self.timeout))
+            except DispatchFailed as exc:
+                self._failed(other, layer, exc, probe=False)
+                continue
+            out.append((other, Answer(sums, other.kernel), r, st))
+        return out
+
+    def _unverifiable(self, host: Host, layer: int) -> None:
+        if not self.checker.unverifiable:
+            log.warning("spotcheck.unverifiable", peer=str(host.peer_id), layer=layer, reason="no other replica hosts these experts and the backbone holds none: its answers cannot be verified")
+        self.checker.unverifiable += 1
+
+    def _catch(self, host: Host, layer: int, receipt: Receipt, stamp: ReceiptStamp, result: CheckResult) -> None:
+        """*host* answered wrong: ban it, dispute this receipt and its earlier ones, and name it a culprit (sequences roll back)."""
         self.checker.caught += 1
+        self.checker.culprits.append(str(host.peer_id))
         ban = self.checker.ban_for(str(host.peer_id))
         self.router.ban(host.peer_id, time.monotonic(), ban)
         dispute = Dispute(receipt, result.max_abs_diff, result.min_cosine)
@@ -459,7 +551,6 @@ class RemoteMoE:
             for r in earlier:
                 self.ledger.dispute(r, f"worker caught returning wrong sums in dispatch {receipt.dispatch_id}")
         log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=receipt.dispatch_id, layer=layer, max_abs_diff=result.max_abs_diff, min_cosine=result.min_cosine, banned_s=ban)
-        return want
 
     async def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, path: Path) -> tuple[Receipt, ReceiptStamp]:
         """Rebuild the receipt the worker signed and check its signature.

@@ -13,12 +13,14 @@ from pathlib import Path
 import structlog
 
 from experts.codecs import Codec
+from experts.errors import UsageError
 from experts.gguf_model import GGUFModel
 from experts.hosting import open_experts
 from experts.kernels import Kernel
 from node.backbone.dispatch import RemoteMoE
 from node.backbone.hot import HotExperts
 from node.backbone.routing import ROUTE_REFRESH_S
+from node.backbone.spotcheck import DEFAULT_SPOT_CHECK
 from node.ledger.sink import LedgerSink
 from node.verdicts import require_verified
 from p2p.connector import Connector
@@ -33,7 +35,7 @@ log = structlog.get_logger("node.backbone.session")
 
 
 @asynccontextmanager
-async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, kernel: Kernel, max_datagram: int = 1200, spot_check: float = 0.0, spot_seed: int | None = None, ledger_path: Path | None = None, max_price: int | None = None, local_experts: int = 0, local_memory: int | None = None, relay: RelaySettings = RelaySettings(), route_refresh: float = ROUTE_REFRESH_S, hedge: bool = False):
+async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], *, codec: Codec = Codec.F32, listen: tuple[str, int] = ("127.0.0.1", 0), dht_listen: str = "127.0.0.1:0", timeout: float = 5.0, kernel: Kernel, max_datagram: int = 1200, spot_check: float = DEFAULT_SPOT_CHECK, spot_seed: int | None = None, ledger_path: Path | None = None, max_price: int | None = None, local_experts: int = 0, local_memory: int | None = None, hold_experts: bool = True, relay: RelaySettings = RelaySettings(), route_refresh: float = ROUTE_REFRESH_S, hedge: bool = False):
     """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, connector, local fallback experts.
 
     Its routes are re-read from the DHT every *route_refresh* seconds while the session lasts (``RemoteMoE.maintain``),
@@ -43,7 +45,11 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
     *kernel* computes the fallback (and hot, and spot-checked) experts; give the backbone's dense forward the same
     one, so that a group computed here has the same bits as one computed by a worker with this kernel.
     *relay*: how links to the workers' relays (URLs from their records) trust ``wss://`` and keep alive.
+    *hold_experts* False: the backbone computes no routed expert itself (a model whose experts do not fit it): no
+    local fallback, no hot experts, and spot checks re-ask another replica instead of re-computing locally.
     """
+    if not hold_experts and (local_experts or local_memory is not None):
+        raise UsageError("a backbone that holds no experts keeps no hot experts local either; drop --local-experts/--local-memory or --remote-experts-only")
     require_verified(model.digest, codec)  # a lossy wire only after its gate passed on this machine
     async with contextlib.AsyncExitStack() as stack:
         endpoint = await Endpoint.bind(identity, listen[0], listen[1], handler=None, max_datagram_size=max_datagram)
@@ -64,7 +70,7 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         connector = Connector(endpoint, relay_route=lambda url, relay_peer: attach(endpoint, relay.client(identity, url, expected_relay=relay_peer)), nat=reach.nat)
         stack.push_async_callback(connector.close)
         cfg = model.cfg
-        moe = RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0], loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price, hedge=hedge)
+        moe = RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0] if hold_experts else None, loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price, hedge=hedge)
         stack.push_async_callback(moe.close)  # probes and hedges, and the last ledger-head swap: before the connector closes
         maintaining = asyncio.create_task(moe.maintain(model.moe_layers, route_refresh))
         maintaining.add_done_callback(_report_crash)

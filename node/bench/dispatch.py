@@ -19,6 +19,7 @@ from experts.kernels import make_kernel
 from experts.moe import Partition, grouped_moe
 from experts.random_model import random_config, write_random_model
 from node.backbone.session import backbone_session, wait_for_hosts
+from node.backbone.spotcheck import DEFAULT_SPOT_CHECK
 from node.bench.common import REFERENCE, message_bytes
 from node.launcher import Cluster
 from p2p.identity import Identity
@@ -40,7 +41,7 @@ def gap_breakdown(local_tps: float, remote_tps: float, stats: dict, n_layer: int
 
 
 def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: int, rounds: int) -> dict:
-    """Rounds alternate local / remote without ledgers / remote with ledgers; medians of tokens/s."""
+    """Rounds alternate local / remote without ledgers / remote with ledgers / remote with spot checks; medians of tokens/s."""
     cfg = random_config(**{**REFERENCE, "n_layer": n_layer, "n_expert": n_expert})
     prompt = [72, 101, 108, 108, 111]
     with tempfile.TemporaryDirectory(prefix="moeswarm-bench-") as tmp:
@@ -68,27 +69,33 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
             cluster.start("worker-ledger", *worker_args, "--bootstrap", boots[1]).wait_ready(600)
 
             async def interleaved():
-                """Rounds alternate local / remote without ledgers / remote with ledgers on both sides,
-                so drifting machine load hits all three alike."""
+                """Rounds alternate local / remote without ledgers / remote with ledgers on both sides / remote with the
+                default spot checks (re-computed locally; the others check nothing), so drifting machine load hits all alike."""
                 ledger_path = Path(tmp) / "backbone-ledger.sqlite"
                 session = dict(max_datagram=max_datagram, kernel=kernel)
-                async with backbone_session(Identity.generate(), model, [boots[0]], **session) as bare, backbone_session(Identity.generate(), model, [boots[1]], ledger_path=ledger_path, **session) as booked:
-                    for moe in (bare, booked):
+                async with (
+                    backbone_session(Identity.generate(), model, [boots[0]], spot_check=0.0, **session) as bare,
+                    backbone_session(Identity.generate(), model, [boots[1]], ledger_path=ledger_path, spot_check=0.0, **session) as booked,
+                    backbone_session(Identity.generate(), model, [boots[0]], spot_check=DEFAULT_SPOT_CHECK, **session) as checked,
+                ):
+                    for moe in (bare, booked, checked):
                         await wait_for_hosts(moe, model.moe_layers, 1, 60)
                         await asyncio.to_thread(decode, moe.hook)  # warm-up: connections, RTT, caches
                     bare.stats.records.clear()
                     bare.stats.tokens_forwarded = 0
-                    local, remote, remote_ledger = [], [], []
+                    local, remote, remote_ledger, remote_checked = [], [], [], []
                     for _ in range(rounds):
                         local.append(await asyncio.to_thread(decode, local_hook))
                         remote.append(await asyncio.to_thread(decode, bare.hook))
                         remote_ledger.append(await asyncio.to_thread(decode, booked.hook))
-                    return local, remote, remote_ledger, bare.stats.summary()
+                        remote_checked.append(await asyncio.to_thread(decode, checked.hook))
+                    return local, remote, remote_ledger, remote_checked, bare.stats.summary(), checked.checker.summary()
 
-            local, remote, remote_ledger, stats = asyncio.run(interleaved())
+            local, remote, remote_ledger, remote_checked, stats, checks = asyncio.run(interleaved())
         local_tps = float(np.median([tps for _, tps in local]))
         remote_tps = float(np.median([tps for _, tps in remote]))
         ledger_tps = float(np.median([tps for _, tps in remote_ledger]))
+        checked_tps = float(np.median([tps for _, tps in remote_checked]))
     result = {
         "config": {**REFERENCE, "n_layer": n_layer, "n_expert": n_expert, "qtype": qtype, "max_datagram": max_datagram},
         "machine": f"{platform.machine()}, numpy {np.__version__}, OPENBLAS_NUM_THREADS=1",
@@ -97,7 +104,9 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
         "measured_f32_bytes_per_token_per_layer": stats["bytes_per_token_per_layer"],
         "throughput": {"local_tokens_s": round(local_tps, 3), "remote_tokens_s": round(remote_tps, 3), "ratio": round(remote_tps / local_tps, 3)},
         "ledger": {"remote_tokens_s_without": round(remote_tps, 3), "remote_tokens_s_with": round(ledger_tps, 3), "cost_pct": round(100 * (1 - ledger_tps / remote_tps), 2)},
-        "identical": all(t == local[0][0] for t, _ in local + remote + remote_ledger),
+        "spot_check": {"rate": DEFAULT_SPOT_CHECK, "remote_tokens_s_without": round(remote_tps, 3), "remote_tokens_s_with": round(checked_tps, 3),
+                       "cost_pct": round(100 * (1 - checked_tps / remote_tps), 2), "checked": checks["checked"], "caught": checks["caught"]},
+        "identical": all(t == local[0][0] for t, _ in local + remote + remote_ledger + remote_checked),
         "rtt_ms": stats["rtt_ms"],
         "gap": gap_breakdown(local_tps, remote_tps, stats, n_layer),
     }

@@ -96,10 +96,11 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
     from node.bench import dispatch
 
     result = dispatch.run(n_tokens, qtype, n_layer, n_expert, max_datagram, rounds)
-    t, lg = result["throughput"], result["ledger"]
+    t, lg, sc = result["throughput"], result["ledger"], result["spot_check"]
     lines = [f"{k}: out {v['out']:.0f} B, back {v['back']:.0f} B, total {v['total']:.0f} B" for k, v in result["bytes_per_token_per_layer"].items()]
     lines += [f"decode: local {t['local_tokens_s']} tokens/s, remote {t['remote_tokens_s']} tokens/s, ratio {t['ratio']}; identical {result['identical']}",
-              f"ledgers: remote {lg['remote_tokens_s_without']} tokens/s without, {lg['remote_tokens_s_with']} with ({lg['cost_pct']}% cost)"]  # fmt: skip
+              f"ledgers: remote {lg['remote_tokens_s_without']} tokens/s without, {lg['remote_tokens_s_with']} with ({lg['cost_pct']}% cost)",
+              f"spot checks at {sc['rate']}: remote {sc['remote_tokens_s_without']} tokens/s without, {sc['remote_tokens_s_with']} with ({sc['cost_pct']}% cost, {sc['checked']} checked)"]  # fmt: skip
     publish(result, "moeswarm bench dispatch --json", write_md=write_md, as_json=as_json, lines=lines)
 
 

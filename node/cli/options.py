@@ -50,6 +50,14 @@ hedge_opt = click.option("--hedge", is_flag=True, help="When a group's host is l
 ready_opt = click.option("--ready-file", default=None, help="Write a JSON line with this node's addresses once it serves.")
 
 
+def spot_check_opts(command):
+    """``--spot-check`` and ``--verify-all``: how much of the workers' work a backbone re-computes (locally, or on another replica)."""
+    from node.backbone.spotcheck import DEFAULT_SPOT_CHECK
+
+    command = click.option("--verify-all", is_flag=True, help="Check every dispatch (as --spot-check 1): each costs a second computation.")(command)
+    return click.option("--spot-check", default=DEFAULT_SPOT_CHECK, show_default=True, type=click.FloatRange(0, 1), help="Fraction of dispatches re-computed (locally, or by another replica) to catch workers returning wrong sums; 0 turns checks off.")(command)
+
+
 def relay_opts(command):
     """``--relay-ca`` and ``--relay-keepalive``: how a node links to ``wss://``/``ws://`` relays. A backbone needs
     them as much as a worker: it learns its workers' relay URLs from their records."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, wait
 
 import click
@@ -12,6 +14,7 @@ from experts.forward import Backbone, MoeFfn
 from experts.generate import generate
 from experts.speculative import SpecStats, default_drafter, speculative_generate
 from experts.tokenizer import StreamDecoder, Tokenizer
+from node.backbone.provenance import Provenance, Rollback, RollbackStats, exact_generate
 
 
 def serial(hook: MoeFfn) -> MoeFfn:
@@ -25,31 +28,45 @@ def serial(hook: MoeFfn) -> MoeFfn:
     return waited
 
 
-async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False, overlap: bool = True) -> tuple[list[int], float, SpecStats | None]:
-    """Generate off the event loop (the MoE hook needs the loop); echo text when *stream*. Returns (tokens, seconds, stats).
+async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False, overlap: bool = True, culprits: Sequence[str] | None = None) -> tuple[list[int], float, SpecStats | None, RollbackStats | None]:
+    """Generate off the event loop (the MoE hook needs the loop); echo text when *stream*. Returns (tokens, seconds, stats, rollbacks).
 
-    *overlap* False waits for each layer's dispatch before the shared expert (for measuring what the overlap hides)."""
-    hook = hook if overlap else serial(hook)
+    *overlap* False waits for each layer's dispatch before the shared expert (for measuring what the overlap hides).
+    *culprits* (``RemoteMoE.checker.culprits``; *hook* then is ``RemoteMoE.hook``): roll back and re-decode when a spot
+    check catches a worker whose unchecked sums were used (:mod:`node.backbone.provenance`); the streamed text is
+    then retracted on the terminal (a notice on stderr, the kept text again) and the returned tokens are exact."""
     ids = tok.encode(prompt)
     out: list[int] = []
-    dec = StreamDecoder(tok)
     stats = SpecStats() if speculative else None
-    if speculative:
-        steps = speculative_generate(bb, ids, n_tokens, hook, stop={tok.eos_id}, stats=stats, drafter=default_drafter(bb.model))
+    decode = functools.partial(speculative_generate, stats=stats, drafter=default_drafter(bb.model)) if speculative else generate
+    rollbacks: RollbackStats | None = None
+    steps: Iterator
+    if culprits is None:
+        steps = decode(bb, ids, n_tokens, hook if overlap else serial(hook), stop={tok.eos_id})
     else:
-        steps = generate(bb, ids, n_tokens, hook, stop={tok.eos_id})
+        rollbacks, provenance = RollbackStats(), Provenance(culprits)
+        moe_ffn = functools.partial(hook, provenance=provenance)
+        steps = exact_generate(bb, ids, n_tokens, moe_ffn if overlap else serial(moe_ffn), provenance, decode=decode, stop={tok.eos_id}, stats=rollbacks)
     if stream:
         click.echo(prompt, nl=False)
 
     def run() -> None:
-        for t, _ in steps:
-            out.append(t)
+        dec = StreamDecoder(tok)
+        for step in steps:
+            if isinstance(step, Rollback):
+                del out[step.keep :]
+                if stream:
+                    click.echo(f"\n[a spot check caught a worker: text after token {step.keep} retracted, decoding it again]", err=True)
+                    dec = StreamDecoder(tok)
+                    click.echo(prompt + "".join(dec.push(t) for t in out), nl=False)
+                continue
+            out.append(step[0])
             if stream:
-                click.echo(dec.push(t), nl=False)
+                click.echo(dec.push(step[0]), nl=False)
+        if stream:
+            click.echo(dec.flush())
 
     t0 = time.perf_counter()
     await asyncio.to_thread(run)
     elapsed = time.perf_counter() - t0
-    if stream:
-        click.echo(dec.flush())
-    return out, elapsed, stats
+    return out, elapsed, stats, rollbacks

@@ -15,7 +15,7 @@ from experts.slices import parse_range
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bootstrap import run_bootstrap_node
-from node.cli.options import bootstrap_opt, data_dir_opt, hedge_opt, http_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, thread_count, timeout_opt
+from node.cli.options import bootstrap_opt, data_dir_opt, hedge_opt, http_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, spot_check_opts, thread_count, timeout_opt
 from node.cli.root import LazyGroup, emit_json
 from node.cli.streaming import stream_tokens
 from node.ledger.store import FILENAME
@@ -159,25 +159,26 @@ def backbone_group() -> None:
 @hedge_opt
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC (use this host's address to reach workers off loopback).")
 @click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT client.")
-@click.option("--spot-check", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Fraction of dispatches re-computed locally to catch wrong answers.")
+@spot_check_opts
 @click.option("--max-price", default=None, type=int, help="Never use workers asking more per work unit.")
 @click.option("--ledger", "ledger_path", default=None, help="Append every receipt to this ledger (default DATA_DIR/ledger.sqlite).")
 @click.option("--local-experts", default=0, show_default=True, help="Keep this many of each layer's hottest experts local.")
 @click.option("--local-memory", default=None, help="Or: as many hot experts as fit this much RAM, e.g. 2G.")
+@click.option("--remote-experts-only", is_flag=True, help="Compute no routed expert here (a model whose experts do not fit this machine): no local fallback; spot checks re-ask another replica.")
 @click.option("--speculative/--no-speculative", default=True, show_default=True, help="Verify prompt-lookup drafts in one pass (greedy output unchanged).")
 @click.option("--overlap/--no-overlap", default=True, show_default=True, help="Compute the shared expert while a layer's dispatch is in flight.")
 @kernel_options
 @relay_opts
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, route_refresh, hedge, listen, dht_listen, spot_check, max_price, ledger_path, local_experts, local_memory, speculative, overlap, kernel_name, threads, relay_ca, relay_keepalive, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, route_refresh, hedge, listen, dht_listen, spot_check, verify_all, max_price, ledger_path, local_experts, local_memory, remote_experts_only, speculative, overlap, kernel_name, threads, relay_ca, relay_keepalive, data_dir, as_json) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     ident = load_identity(home)
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
-    session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
-                   local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None, relay=relay_settings(relay_ca, relay_keepalive))
+    session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=1.0 if verify_all else spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
+                   local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None, hold_experts=not remote_experts_only, relay=relay_settings(relay_ca, relay_keepalive))
     result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative, overlap=overlap))
     if as_json:
         emit_json(result)
@@ -188,9 +189,10 @@ async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, sessi
     bb = Backbone(model, session["kernel"])
     async with backbone_session(ident, model, bootstrap, **session) as moe:
         await wait_for_hosts(moe, model.moe_layers, wait_hosts, 60)
-        out, elapsed, spec = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative, overlap=overlap)
+        out, elapsed, spec, rollbacks = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative, overlap=overlap, culprits=moe.checker.culprits)
+        verification = {**moe.checker.summary(), **(rollbacks.summary() if rollbacks else {})}
         if stream:
-            click.echo(json.dumps(moe.stats.summary()), err=True)
+            click.echo(json.dumps({**moe.stats.summary(), "verification": verification}), err=True)
         hit = round(moe.hot.hit_rate, 4) if moe.hot else 0.0
-        extra = {"speculative": spec.summary()} if spec else {}
+        extra = {"speculative": spec.summary(), "verification": verification} if spec else {"verification": verification}
         return {"tokens": len(out), "text": tok.decode(out), "token_ids": out, "tokens_per_s": round(len(out) / elapsed, 3), "local_hit_rate": hit, **extra, **moe.stats.summary()}

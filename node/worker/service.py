@@ -52,6 +52,10 @@ class ComputeFailed(wire.ProtocolError):
     error_code = wire.ErrorCode.INTERNAL
 
 
+class NonFiniteSums(ComputeFailed):
+    """The partial sums overflowed to NaN/infinity (finite but extreme inputs, e.g. 3e38): never signed, never sent."""
+
+
 class Draining(wire.ProtocolError):
     error_code = wire.ErrorCode.DRAINING
 
@@ -193,6 +197,9 @@ class Worker:
             await asyncio.sleep(self.delay)
         sums = await self._compute(req.layer, x, ids, w, held)
         payload = codecs.encode(codec, sums)
+        on_wire = sums if codec is Codec.F32 else codecs.decode(codec, payload, req.n_tokens, cfg.n_embd)  # F16 overflows past 65504
+        if not np.isfinite(on_wire).all():
+            raise NonFiniteSums("partial", "the partial sums of this input overflow to NaN or infinity; refusing to sign them")
         compute_us = int((time.perf_counter() - t0) * 1e6)
         unsigned = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, bytes(STAMP.size))
         receipt = build_receipt(

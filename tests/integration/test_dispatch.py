@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from experts.codecs import Codec
 from experts.forward import Backbone, KVCache, local_moe
@@ -32,33 +33,50 @@ from ..conftest import make_model
 TOKENS = [264, 72, 101, 108, 108, 111, 44, 32, 116, 104, 101, 114, 101]
 
 
-async def start_swarm(model: GGUFModel, ranges, board, delays=()):
-    """A worker per range (the i-th holding each dispatch ``delays[i]`` seconds, if given), announced on *board*."""
+class CheatingWorker(Worker):
+    """Answers every dispatch with its sums nudged by 1% noise (as tests/doubles/malicious_worker.py, in process)."""
+
+    peers: set[str] = set()  # every cheat's peer id, for the tests to name it
+
+    def __init__(self, identity: Identity, *args, **kw) -> None:
+        super().__init__(identity, *args, **kw)
+        self.peers.add(str(identity.peer_id))
+
+    async def _compute(self, layer, x, ids, w, held):
+        sums = await super()._compute(layer, x, ids, w, held)
+        return sums + 0.01 * float(np.abs(sums).mean()) * np.random.default_rng(layer).standard_normal(sums.shape).astype(np.float32)
+
+
+async def start_swarm(model: GGUFModel, ranges, board, cheats: frozenset[int] = frozenset(), delays=()):
+    """Workers for *ranges* on real sockets, announced on *board*; those at the indexes in *cheats* return wrong sums
+    (and ask no price while the others ask 1, so a backbone tries them first); the i-th holds each dispatch
+    ``delays[i]`` seconds, if given."""
     workers = []
     for i, (a, b) in enumerate(ranges):
         ident = Identity.generate()
-        worker = Worker(ident, ExpertStore(model, experts=ExpertRange(a, b)), delay=delays[i] if i < len(delays) else 0.0)
+        price = 1 if cheats and i not in cheats else 0
+        worker = (CheatingWorker if i in cheats else Worker)(ident, ExpertStore(model, experts=ExpertRange(a, b)), price=price, delay=delays[i] if i < len(delays) else 0.0)
         ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
         disc = InMemoryDiscovery(ident, board)
         addr = f"127.0.0.1:{ep.local_addr[1]}"
-        await disc.announce([HostedSlice(model.digest, layer, ((a, b),), quic_addr=addr) for layer in model.layers])
+        await disc.announce([HostedSlice(model.digest, layer, ((a, b),), quic_addr=addr, price=price) for layer in model.layers])
         workers.append((worker, ep, disc))
     return workers
 
 
 @contextlib.asynccontextmanager
-async def remote_swarm(model: GGUFModel, ranges, connector_type: type[Connector] = Connector, delays=(), peers: list | None = None, **moe_kw):
-    """Workers for `ranges` on real sockets and a backbone's RemoteMoE that found them; all closed on exit.
-
-    *peers*, if given, receives the workers' peer ids in the order of *ranges*."""
+async def remote_swarm(model: GGUFModel, ranges, connector_type: type[Connector] = Connector, *, hold_experts: bool = True, cheats: frozenset[int] = frozenset(), delays=(), peers: list | None = None, **moe_kw):
+    """Workers for `ranges` on real sockets and a backbone's RemoteMoE that found them (holding the experts itself
+    unless *hold_experts* is False); all closed on exit. *peers*, if given, receives the workers' peer ids in the
+    order of *ranges*."""
     board = InMemoryBoard()
-    workers = await start_swarm(model, ranges, board, delays)
+    workers = await start_swarm(model, ranges, board, cheats, delays)
     if peers is not None:
         peers.extend(w.identity.peer_id for w, _, _ in workers)
     ident = Identity.generate()
     ep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=None)
     cfg = model.cfg
-    moe = RemoteMoE(connector_type(ep), InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model), loop=asyncio.get_running_loop(), **moe_kw)
+    moe = RemoteMoE(connector_type(ep), InMemoryDiscovery(ident, board), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, ExpertStore(model) if hold_experts else None, loop=asyncio.get_running_loop(), **moe_kw)
     try:
         await moe.refresh(model.layers)
         yield moe
@@ -210,6 +228,89 @@ def test_malformed_frames_leave_the_worker_serving(model_dir):
     x = np.ones((1, model.cfg.n_embd), dtype=np.float32)
     want, _ = partial_sum(ExpertStore(model), 0, x, np.array([[1, 3]]), np.array([[0.5, 0.25]], dtype=np.float32), np.ones((1, 2), bool))
     assert isinstance(reply, wire.DispatchReply) and reply.partial == want.tobytes()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_backbone_holding_no_experts_verifies_by_asking_another_replica(model_dir, replicas):
+    """--verify-all without local experts: two replicas cross-check every dispatch (exact logits); a sole replica's
+    answers are accepted unverified, and that is logged once."""
+    model = GGUFModel(make_model(model_dir, "qwen3moe"))
+
+    async def main():
+        async with remote_swarm(model, [(0, 8)] * replicas, hold_experts=False, spot_check=1.0, timeout=2.0) as moe:
+            logits = await asyncio.to_thread(Backbone(model).forward, TOKENS, KVCache(), moe.hook)
+        return logits, moe
+
+    with capture_logs() as logs:
+        logits, moe = asyncio.run(main())
+    store = ExpertStore(model)
+    local = Backbone(model).forward(TOKENS, KVCache(), local_moe(lambda i, x, e, w: grouped_moe(store, Partition(((0, 8),)), i, x, e, w)))
+    assert logits.tobytes() == local.tobytes()
+    n_layers = len(model.moe_layers)
+    assert moe.checker.checked == n_layers and moe.checker.caught == 0 and not moe.disputes
+    unverifiable = [e for e in logs if e["event"] == "spotcheck.unverifiable"]
+    if replicas == 1:
+        assert moe.checker.unverifiable == n_layers and len(unverifiable) == 1
+    else:
+        assert moe.checker.unverifiable == 0 and not unverifiable
+        assert len(moe.receipts) == 2 * n_layers  # the re-asked replica did the work too, and is paid for it
+
+
+@pytest.mark.parametrize("honest", [1, 2])
+def test_a_cheat_checked_by_replicas_is_caught_only_when_a_third_settles_it(model_dir, honest):
+    """--verify-all, no local experts, one cheat: with two honest replicas beside it the cheat is caught wherever it answers
+    (as the first host or the re-asked one) and every answer used is right; with one, the disagreement stays unsettled."""
+    model = GGUFModel(make_model(model_dir, "qwen3moe"))
+
+    async def main():
+        async with remote_swarm(model, [(0, 8)] * (honest + 1), hold_experts=False, cheats=frozenset({0}), spot_check=1.0, timeout=2.0) as moe:
+            logits = await asyncio.to_thread(Backbone(model).forward, TOKENS, KVCache(), moe.hook)
+        return logits, moe
+
+    with capture_logs() as logs:
+        logits, moe = asyncio.run(main())
+    store = ExpertStore(model)
+    local = Backbone(model).forward(TOKENS, KVCache(), local_moe(lambda i, x, e, w: grouped_moe(store, Partition(((0, 8),)), i, x, e, w)))
+    events = [e["event"] for e in logs]
+    if honest == 2:
+        assert logits.tobytes() == local.tobytes()  # every answer a cheat gave was caught and replaced
+        assert moe.checker.caught == 1 and moe.checker.unsettled == 0
+        (cheat,) = moe.checker.culprits
+        assert cheat in CheatingWorker.peers
+        assert all(r.worker != cheat for r in moe.receipts) and {d.receipt.worker for d in moe.disputes} == {cheat}  # unpaid
+    else:
+        assert moe.checker.caught == 0 and moe.checker.unsettled >= 1 and "spotcheck.unsettled" in events
+
+
+def test_worker_refuses_to_sign_overflowing_sums(model_dir):
+    """Hidden states of 3e38 (finite) overflow the experts' sums: the worker answers INTERNAL, signs nothing, and still serves."""
+    model = GGUFModel(make_model(model_dir, "qwen3moe"))
+
+    async def main():
+        ident = Identity.generate()
+        worker = Worker(ident, ExpertStore(model))
+        wep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
+        cep = await Endpoint.bind(Identity.generate(), "127.0.0.1", 0, handler=None)
+        model_id = wire.model_id_of(bytes.fromhex(model.digest))
+
+        def request(x):
+            return wire.DispatchRequest(os.urandom(16), model_id, 0, Codec.F32, 1, 2, (1, 3), (0.5, 0.25), x.tobytes()).encode()
+
+        try:
+            huge = np.full((1, model.cfg.n_embd), 3e38, dtype=np.float32)
+            refused = wire.decode(await wep_request(cep, wep, ident, request(huge)))
+            served = wire.decode(await wep_request(cep, wep, ident, request(np.ones((1, model.cfg.n_embd), dtype=np.float32))))
+            return refused, served, worker.stats
+        finally:
+            await cep.close()
+            await wep.close()
+            worker.close()
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        refused, served, stats = asyncio.run(main())
+    assert isinstance(refused, wire.ErrorReply) and refused.code is wire.ErrorCode.INTERNAL and "refusing to sign" in refused.message
+    assert isinstance(served, wire.DispatchReply) and np.isfinite(np.frombuffer(served.partial, "<f4")).all()
+    assert stats.dispatches == 1 and stats.errors == 1  # only the finite answer was signed
 
 
 async def wep_request(cep, wep, ident, frame):

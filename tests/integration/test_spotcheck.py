@@ -1,25 +1,34 @@
-"""Spot checks catch a worker process that returns perturbed partial sums; it stops receiving work."""
+"""Spot checks catch a worker process that returns perturbed partial sums; it stops receiving work, and goes unpaid."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 import structlog
 
 from experts.embedded import EMBEDDED_MODEL
-from experts.forward import Backbone
+from experts.forward import Backbone, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
+from experts.moe import Partition, grouped_moe
+from experts.speculative import speculative_generate
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
+from node.ledger.store import Ledger
 from p2p.identity import Identity
-from tests.support.engine import kernel
+from tests.support import moeswarm
+from tests.support.engine import kernel, local_engine
 
 pytestmark = pytest.mark.slow
 REPO = str(Path(__file__).resolve().parents[2])
+cli = partial(moeswarm, timeout=600)
+PROMPT = "And it came to pass"
+N_TOKENS = 160  # ~30 passes with speculation, ~120 dispatches: a cheat answering all of them escapes a 10% sample with p ~ 3e-6
 
 
 def test_malicious_worker_is_caught_disputed_and_banned(tmp_path):
@@ -50,3 +59,41 @@ def test_malicious_worker_is_caught_disputed_and_banned(tmp_path):
     assert moe.stats.local_groups > 0  # its experts were computed by the backbone after the ban
     assert all(r.worker != peer for r in moe.receipts)  # every receipt of the cheat is disputed, none paid
     assert len(moe.disputes) == len([r for r in to_cheat if r.ok])
+
+
+def test_cheat_among_replicas_is_caught_unpaid_and_the_output_exact_at_the_defaults(tmp_path):
+    """`backbone generate --remote-experts-only` at its default spot-check rate, 2 honest replicas + 1 cheat of every expert:
+    the cheat is caught by re-asking a replica, its receipts are all disputed, and the tokens equal the run without it."""
+    model = GGUFModel(EMBEDDED_MODEL)
+
+    def generate_remote(boot: str, n_hosts: int, name: str) -> dict:
+        p = cli("backbone", "generate", "--model", str(model.path), "--bootstrap", boot, "--tokens", str(N_TOKENS), "--json", "--remote-experts-only",
+                "--wait-hosts", str(n_hosts), "--kernel", "ggml", "--threads", "1", "--ledger", str(tmp_path / f"{name}.sqlite"), "--data-dir", str(tmp_path / name), PROMPT)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout)
+
+    with Cluster(tmp_path) as cluster:
+        boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
+        # The honest replicas ask a price and the cheat none, so it is every dispatch's first choice until it is caught.
+        honest = [cluster.start(f"honest{i}", "worker", "--model", str(model.path), "--bootstrap", boot, "--price", "5") for i in range(2)]
+        honest_peers = {w.wait_ready()["peer_id"] for w in honest}
+        clean = generate_remote(boot, 2, "clean")
+        cheat = cluster.start("cheat", "worker", "--model", str(model.path), "--bootstrap", boot, module="tests.doubles.malicious_worker", env={"PYTHONPATH": REPO})
+        cheat_peer = cheat.wait_ready()["peer_id"]
+        run = generate_remote(boot, 3, "attacked")
+    bb, store = local_engine(model)
+    ids = Tokenizer.from_spec(model.tokenizer_spec).encode(PROMPT)
+    whole = Partition(((0, model.cfg.n_expert),))  # each worker hosts every expert: one group per layer
+    local = [t for t, _ in speculative_generate(bb, ids, N_TOKENS, local_moe(lambda i, x, e, w: grouped_moe(store, whole, i, x, e, w)), stop={Tokenizer.from_spec(model.tokenizer_spec).eos_id})]
+    assert clean["token_ids"] == local  # the honest swarm, its replicas cross-checked, is exact
+    assert clean["verification"]["caught"] == 0 and clean["verification"]["checked"] > 0
+    assert run["token_ids"] == clean["token_ids"]
+    verification = run["verification"]
+    assert verification["caught"] == 1 and verification["spot_check"] == 0.1 and verification["unverifiable"] == 0, (verification, run["per_peer"], run.get("speculative"), cheat_peer)
+    assert run["per_peer"][cheat_peer] > 0 and set(run["per_peer"]) == honest_peers | {cheat_peer}
+    totals = {t.peer_id: t for t in Ledger(tmp_path / "attacked.sqlite").totals()}
+    assert totals[cheat_peer].disputed == totals[cheat_peer].dispatches > 0 and totals[cheat_peer].work_units == 0  # unpaid
+    assert all(totals[p].disputed == 0 and totals[p].work_units > 0 for p in honest_peers)
+    # Its answers before the catch were used unchecked: cut back and decoded again (none if its very first answer was the one checked).
+    assert (verification["rollbacks"] == 1) == (totals[cheat_peer].dispatches > 1)
+    assert verification["tokens_redecoded"] <= verification["rollbacks"] * N_TOKENS
