@@ -245,12 +245,12 @@ class RemoteMoE:
                 return sums
             except HostDraining as exc:
                 self.router.leaving(host.peer_id, time.monotonic())
-                log.info("dispatch.redirected", peer=str(host.peer_id), layer=layer, reason=str(exc))
+                log.debug("dispatch.redirected", peer=str(host.peer_id), layer=layer, reason=str(exc))
             except DispatchFailed as exc:
                 backoff = self.router.failed(host.peer_id, time.monotonic())
                 log.warning("dispatch.failed", peer=str(host.peer_id), layer=layer, reason=str(exc), benched_s=backoff)
         self.stats.local_groups += 1
-        log.info("dispatch.local", layer=layer, group=list(self.router.routes[layer].partition.bounds[group]), n_tokens=x.shape[0])
+        log.debug("dispatch.local", layer=layer, group=list(self.router.routes[layer].partition.bounds[group]), n_tokens=x.shape[0])
         return await self._local(layer, x, ids, w, held)
 
     async def _send(self, host: Host, layer: int, x, ids, w, held) -> np.ndarray:
@@ -298,7 +298,7 @@ class RemoteMoE:
             latency = (time.perf_counter() - t0) * 1e3
             if not refused:  # a draining host's refusal is no dispatch: it did no work, the group goes elsewhere
                 self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok, worker_ms))
-            log.info("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
+            log.debug("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok)
         compute_ms = msg.compute_us / 1e3
         self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0))
         if self.checker.should_check():
@@ -306,7 +306,7 @@ class RemoteMoE:
             if want is not None:
                 return want
         self.receipts.append(receipt)
-        log.info("receipt.accepted", **dataclasses.asdict(receipt))  # the ledger entry's fields, as one event
+        log.debug("receipt.accepted", **dataclasses.asdict(receipt))  # the ledger entry's fields, as one event
         if self.ledger:
             self.ledger.receipt(receipt, stamp)
         return sums

@@ -24,6 +24,7 @@ from node.runtime import load_identity, parse_hostport, until_stopped, write_rea
 from node.status.coverage import Phase
 from node.status.server import NodeStatus, model_shape, url_of, watching
 from node.verdicts import default_wire
+from p2p.dht import check_bootstrap
 from p2p.identity import Identity
 
 log = structlog.get_logger("node.cli.serve")
@@ -54,7 +55,7 @@ log = structlog.get_logger("node.cli.serve")
 @relay_opts
 @data_dir_opt
 @ready_opt
-def serve_cmd(model_path, bootstrap, http_addr, api_key, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, no_speculative, timeout, listen, dht_listen, max_datagram, spot_check, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
+def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, no_speculative, timeout, listen, dht_listen, max_datagram, spot_check, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
     """Serve /v1/completions and /v1/chat/completions, batching concurrent requests' dispatches."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
@@ -62,7 +63,7 @@ def serve_cmd(model_path, bootstrap, http_addr, api_key, served_model_name, wire
     session = dict(codec=codec, timeout=timeout, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=spot_check, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME, relay=relay_settings(relay_ca, relay_keepalive))
     cache_bytes = parse_size(prefix_cache) if prefix_cache not in ("0", "") else 0
     options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative)
-    asyncio.run(serve(load_identity(home), model, bootstrap, parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), session, options, ready_file, api_key))
+    asyncio.run(serve(load_identity(home), model, (bootstrap, bootstrap_wait), parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), session, options, ready_file, api_key))
 
 
 def _api_key(value: str | None) -> str | None:
@@ -81,7 +82,9 @@ async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str
     status.http_addr = f"{host}:{port}"
     url = url_of(host, port) + "/v1"
     log.info("gateway.listening", http_addr=status.http_addr, status=url_of(host, port) + "/status", auth="bearer" if api_key else "none")
+    bootstrap, bootstrap_wait = bootstrap
     try:
+        await check_bootstrap(bootstrap, bootstrap_wait)  # before the dense weights load (/readyz says "loading")
         tok = Tokenizer.from_spec(model.tokenizer_spec)
         backbone = await asyncio.to_thread(Backbone, model, session["kernel"])  # the loop keeps answering /readyz meanwhile
         async with backbone_session(identity, model, bootstrap, **session) as remote, watching(status):

@@ -137,7 +137,7 @@ class Gateway:
             assert done is not None  # a stream ends with its Finished (or raises)
             return web.json_response(reply.body("".join(parts), done))
         except asyncio.CancelledError:  # the client disconnected (see the module docstring)
-            log.info("gateway.client_left", path=request.path)
+            log.debug("gateway.client_left", path=request.path)
             raise
         finally:
             stream.cancel()
@@ -164,5 +164,5 @@ class Gateway:
             await resp.write(sse("[DONE]"))
             await resp.write_eof()
         except ConnectionResetError:  # the client left; the caller cancels the sequence
-            log.info("gateway.client_left", id=reply.id)
+            log.debug("gateway.client_left", id=reply.id)
         return resp

@@ -49,3 +49,27 @@ def test_bad_host_port_is_a_usage_error(text):
     """An address that is not HOST:PORT is the user's to fix: a UsageError that shows the expected form."""
     with pytest.raises(UsageError, match="must be HOST:PORT, e.g. 127.0.0.1:4433"):
         parse_hostport(text)
+
+
+@cli.command("grouped")
+def grouped_cmd() -> None:
+    raise ExceptionGroup("trio", [ExceptionGroup("nursery", [UsageError("TCP 127.0.0.1:4001 (the DHT) is already in use")])])
+
+
+@cli.command("mixed")
+def mixed_cmd() -> None:
+    raise ExceptionGroup("trio", [UsageError("a mistake"), ValueError("and a bug")])
+
+
+def test_a_group_of_usage_errors_is_one_line_too():
+    """A UsageError that trio or a TaskGroup wrapped in (nested) exception groups is still one ``error:`` line, exit 2."""
+    result = CliRunner().invoke(cli, ["grouped"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == ["error: TCP 127.0.0.1:4001 (the DHT) is already in use"]
+
+
+def test_a_group_with_a_bug_in_it_keeps_its_traceback():
+    """A group that also holds a bug is not reworded: it propagates whole."""
+    result = CliRunner().invoke(cli, ["mixed"])
+    assert result.exit_code == 1 and isinstance(result.exception, ExceptionGroup)
+    assert "error:" not in result.output
