@@ -59,7 +59,7 @@ from p2p.backoff import Backoff
 from p2p.dht_libp2p import libp2p_api
 from p2p.discovery import Announcer, DiscoveryError, Publication, live_hosts
 from p2p.identity import Identity, IdentityError, PeerId
-from p2p.ports import check_tcp_free
+from p2p.ports import check_free
 from p2p.records import (
     MAX_CLOCK_SKEW,
     NAMESPACE,
@@ -139,8 +139,8 @@ class ProvidePacer:
         self._sent.append(now)
 
 
-def tcp_multiaddr(listen: str) -> str:
-    """``"127.0.0.1:4001"`` or ``"[::1]:4001"`` as a TCP multiaddr."""
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``"127.0.0.1:4001"`` or ``"[::1]:4001"`` -> (ip, port); a UsageError showing the form otherwise."""
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 0xFFFF:
         raise UsageError(f"listen address {listen!r} must be ip:port, e.g. 127.0.0.1:4001 or [::1]:4001")
@@ -148,7 +148,13 @@ def tcp_multiaddr(listen: str) -> str:
         ip = ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
     except ValueError:
         raise UsageError(f"listen address {listen!r}: {host!r} is not an IP address; give an IP, e.g. 0.0.0.0:4001") from None
-    return f"/ip{ip.version}/{ip}/tcp/{port}"
+    return str(ip), int(port)
+
+
+def tcp_multiaddr(listen: str) -> str:
+    """``"127.0.0.1:4001"`` or ``"[::1]:4001"`` as a TCP multiaddr."""
+    ip, port = parse_listen(listen)
+    return f"/ip{ipaddress.ip_address(ip).version}/{ip}/tcp/{port}"
 
 
 class BootstrapError(DiscoveryError, UsageError):
@@ -618,8 +624,7 @@ class LibP2PDiscovery:
         return list(self._node.multiaddrs)
 
     async def start(self) -> None:
-        host, _, port = self._listen.rpartition(":")
-        check_tcp_free(host.strip("[]"), int(port), "the DHT")  # libp2p's SO_REUSEPORT would share a taken port
+        check_free("TCP", *parse_listen(self._listen), "the DHT")  # libp2p's SO_REUSEPORT would share a taken port
         await asyncio.wrap_future(self._thread.start(self._node.running))
 
     async def __aenter__(self) -> LibP2PDiscovery:

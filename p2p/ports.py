@@ -5,8 +5,8 @@ the operating system's ``EADDRINUSE`` / ``EADDRNOTAVAIL`` / ``EACCES`` into :cla
 address and what to do; the CLI prints it as one ``error:`` line.
 
 libp2p's TCP listener sets ``SO_REUSEPORT`` (for TCP hole punching), so two processes of the same user can listen on
-one DHT port and the kernel splits the connections between them: :func:`check_tcp_free` binds the port once without
-that option first, which fails while anyone listens there.
+one DHT port and the kernel splits the connections between them: :func:`check_free` binds the port once without
+that option first, which fails while anyone listens there. A worker runs the same check on its ports before it loads.
 """
 
 from __future__ import annotations
@@ -44,12 +44,16 @@ def binding(proto: str, host: str, port: int, what: str) -> Iterator[None]:
         raise
 
 
-def check_tcp_free(host: str, port: int, what: str) -> None:
-    """Raise :class:`PortError` if a process listens on TCP ``host:port`` (port 0: nothing to check). ``SO_REUSEADDR``
-    only lets the check pass over connections in TIME_WAIT (a node restarted on its port)."""
+def check_free(proto: str, host: str, port: int, what: str) -> None:
+    """Raise :class:`PortError` if ``proto`` ("TCP", "UDP") ``host:port`` cannot be bound now (port 0: nothing to
+    check): before a node spends minutes loading a model, and for TCP before libp2p (whose ``SO_REUSEPORT`` would
+    share a taken port). ``SO_REUSEADDR`` only lets a TCP check pass over connections in TIME_WAIT (a node restarted
+    on its port); a process listening there still fails it."""
     if port == 0:
         return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        with binding("TCP", host, port, what):
+    kind = socket.SOCK_STREAM if proto == "TCP" else socket.SOCK_DGRAM
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, kind) as sock:
+        if kind == socket.SOCK_STREAM:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with binding(proto, host, port, what):
             sock.bind((host, port))

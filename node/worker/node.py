@@ -29,10 +29,11 @@ from node.status.coverage import Phase
 from node.status.server import NodeStatus, model_shape, serve_status
 from node.worker.lifecycle import Lifecycle, State
 from node.worker.service import Worker
-from p2p.dht import BOOTSTRAP_WAIT, LibP2PDiscovery, check_bootstrap
+from p2p.dht import BOOTSTRAP_WAIT, LibP2PDiscovery, check_bootstrap, parse_listen
 from p2p.helpers import NodeReachability, helper_address
 from p2p.identity import Identity
 from p2p.nat import announced_address
+from p2p.ports import check_free
 from p2p.quic import Endpoint
 from p2p.reachability import Verdict
 from p2p.records import HostedSlice, RelayAddress
@@ -101,7 +102,10 @@ class WorkerNode:
     async def _start(self) -> None:
         opts, identity, stack = self.opts, self.identity, self._stack
         self.model = model = GGUFModel(opts.model)
-        await check_bootstrap(opts.bootstrap, opts.bootstrap_wait)  # a wrong or dead bootstrap fails now, not after loading
+        # A taken port or a wrong or dead bootstrap fails now, not after loading (the DHT node exists only later).
+        check_free("UDP", *opts.listen, "QUIC")
+        check_free("TCP", *parse_listen(opts.dht_listen), "the DHT")
+        await check_bootstrap(opts.bootstrap, opts.bootstrap_wait)
         log.info("worker.loading", model=model.path.name, layers=_span(opts.layers), experts=str(opts.experts) if opts.experts else "all", kernel=opts.kernel)
         kernel = await asyncio.to_thread(make_kernel, opts.kernel, opts.threads)  # KernelError: refuse to serve
         store, self.plan = open_experts(model, kernel, opts.layers, opts.experts, memory_budget=opts.memory_budget)  # refuses what does not fit, before reading it

@@ -52,9 +52,10 @@ def bootstrap(tmp_path_factory) -> dict:
 
 
 def test_quic_port_in_use(held_udp, tmp_path):
-    """A worker told to listen on a UDP port another process holds says so, with the way out."""
+    """A worker told to listen on a UDP port another process holds says so, with the way out, before it loads."""
     p = moeswarm("worker", "--model", MODEL, "--listen", f"127.0.0.1:{held_udp}", "--data-dir", str(tmp_path))
     one_error_line(p, f"UDP 127.0.0.1:{held_udp} (QUIC)", "already in use", "port 0")
+    assert "worker.loading" not in p.stderr
 
 
 @pytest.mark.parametrize("command", [["backbone", "serve"], ["worker", "--model", MODEL]])
@@ -62,14 +63,16 @@ def test_http_port_in_use(held_tcp, tmp_path, command):
     """The gateway's port and a worker's --http port, taken: one line naming the TCP address."""
     p = moeswarm(*command, "--http", f"127.0.0.1:{held_tcp}", "--data-dir", str(tmp_path))
     one_error_line(p, f"TCP 127.0.0.1:{held_tcp} (HTTP)", "already in use")
+    assert "worker.loading" not in p.stderr
 
 
 def test_dht_port_of_another_node_is_not_shared(bootstrap, tmp_path):
     """libp2p listens with SO_REUSEPORT, which would let a second node share the bootstrap's DHT port silently: the
-    worker refuses it instead."""
+    worker refuses it instead, before it loads."""
     port = bootstrap["dht_addrs"][0].split("/")[4]
     p = moeswarm("worker", "--model", MODEL, "--dht-listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path))
     one_error_line(p, f"TCP 127.0.0.1:{port} (the DHT)", "already in use")
+    assert "worker.loading" not in p.stderr
 
 
 @pytest.mark.parametrize("command", [["worker", "--model", MODEL], ["backbone", "serve", "--http", "127.0.0.1:0"]])
