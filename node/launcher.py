@@ -43,7 +43,7 @@ class NodeProcess:
 
     def start(self) -> NodeProcess:
         self.ready_file.unlink(missing_ok=True)
-        cmd = [*self.prefix, sys.executable, "-m", self.module, "--log-level", "info", *self.args, "--data-dir", str(self.workdir / self.name), "--ready-file", str(self.ready_file)]
+        cmd = [*self.prefix, sys.executable, "-m", self.module, *self.args, "--data-dir", str(self.workdir / self.name), "--ready-file", str(self.ready_file)]
         env = {**os.environ, **(self.env or {})}
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)

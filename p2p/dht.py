@@ -32,7 +32,8 @@ libp2p 0.8.1 defects (each measured here) and what this module does about them
     lookups with every connected peer: `ServerOnlyKadDHT` / `ServerOnlyPeerRouting` admit and ask
     only peers whose identify lists KAD.
   * Leaving ``host.run()`` closes no connection: ``host.close()`` in a finally.
-  * Importing libp2p detaches its ``libp2p`` logger: `p2p.dht_libp2p.ToStructlog` routes it into structlog.
+  * Importing libp2p detaches its ``libp2p`` logger: `p2p.dht_libp2p.reattach_libp2p_logger` hands it back to the
+    root handler (shown at debug only, see `node.logs`).
   * Importing libp2p replaces aioquic's ``QuicStreamSender.get_frame`` process-wide: libp2p is
     imported only when a node starts, and the original method is put back (we use no libp2p QUIC),
     so the data path behaves the same in every process.
@@ -43,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -54,9 +56,11 @@ import structlog
 import trio
 
 from experts.errors import UsageError
+from p2p.backoff import Backoff
 from p2p.dht_libp2p import libp2p_api
 from p2p.discovery import Announcer, DiscoveryError, Publication, live_hosts
 from p2p.identity import Identity, IdentityError, PeerId
+from p2p.ports import check_free
 from p2p.records import (
     MAX_CLOCK_SKEW,
     NAMESPACE,
@@ -85,6 +89,8 @@ RETRY_AFTER = 5.0  # after a failed publication round
 PARALLEL_PUTS = 4  # libp2p put_value calls (each a FIND_NODE walk + up to 20 PUT_VALUE) in flight
 PARALLEL_RPCS = 8  # our GET_PROVIDERS / GET_VALUE in flight: servers reset streams past 12
 WALK_WIDTH, ALPHA = 20, 3  # Kademlia k (closest peers that must answer) and peers asked at once
+BOOTSTRAP_WAIT = 30.0  # seconds an unreachable bootstrap is retried before a node gives up (before loading its model)
+PROBE_BACKOFF = Backoff(first=0.5, cap=5.0)  # between those retries
 
 
 def provider_key(model_digest: str, layer: int, epoch: int, shard: int) -> bytes:
@@ -134,8 +140,8 @@ class ProvidePacer:
         self._sent.append(now)
 
 
-def tcp_multiaddr(listen: str) -> str:
-    """``"127.0.0.1:4001"`` or ``"[::1]:4001"`` as a TCP multiaddr."""
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``"127.0.0.1:4001"`` or ``"[::1]:4001"`` -> (ip, port); a UsageError showing the form otherwise."""
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 0xFFFF:
         raise UsageError(f"listen address {listen!r} must be ip:port, e.g. 127.0.0.1:4001 or [::1]:4001")
@@ -143,7 +149,95 @@ def tcp_multiaddr(listen: str) -> str:
         ip = ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
     except ValueError:
         raise UsageError(f"listen address {listen!r}: {host!r} is not an IP address; give an IP, e.g. 0.0.0.0:4001") from None
-    return f"/ip{ip.version}/{ip}/tcp/{port}"
+    return str(ip), int(port)
+
+
+def tcp_multiaddr(listen: str) -> str:
+    """``"127.0.0.1:4001"`` or ``"[::1]:4001"`` as a TCP multiaddr."""
+    ip, port = parse_listen(listen)
+    return f"/ip{ipaddress.ip_address(ip).version}/{ip}/tcp/{port}"
+
+
+class BootstrapError(DiscoveryError, UsageError):
+    """A bootstrap peer is unreachable, or answers with another peer id than its address names."""
+
+
+class BootstrapUnreachable(BootstrapError):
+    """No TCP connection to the bootstrap's address within the retry window."""
+
+
+def bootstrap_target(addr: str) -> tuple[str, int, PeerId]:
+    """``/ip4/H/tcp/P/p2p/ID`` (also ip6, dns, dns4, dns6) -> (host, port, peer id); a UsageError showing the form."""
+    parts = addr.split("/")
+    ok = len(parts) == 7 and parts[0] == "" and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") and parts[3] == "tcp" and parts[4].isdigit() and int(parts[4]) <= 0xFFFF and parts[5] == "p2p"
+    try:
+        if ok:
+            return parts[2], int(parts[4]), PeerId.from_string(parts[6])
+    except IdentityError:
+        pass
+    raise UsageError(f"bootstrap address {addr!r} must look like /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW... (the line a bootstrap prints: 'join with: --bootstrap ...')")
+
+
+async def probe_bootstrap(addr: str, timeout: float = BOOTSTRAP_WAIT, *, backoff: Backoff = PROBE_BACKOFF) -> None:
+    """Check that *addr* is a running bootstrap with the peer id it names, before a node spends time loading a model.
+
+    TCP connects are retried with *backoff* for *timeout* seconds (a swarm whose nodes start together), then
+    :class:`BootstrapUnreachable`; a peer that answers but fails the Noise handshake for the named id is
+    :class:`BootstrapError` at once (another key, or another program on that port: waiting will not change it).
+    The handshake runs a throwaway libp2p host in its own trio run (a worker thread), not this node's key.
+    """
+    host, port, peer = bootstrap_target(addr)
+    loop = asyncio.get_running_loop()
+    deadline, attempt = loop.time() + timeout, 0
+    while True:
+        try:
+            async with asyncio.timeout(max(0.1, min(CONNECT_TIMEOUT, deadline - loop.time()))):
+                _, writer = await asyncio.open_connection(host, port)
+            writer.close()
+            break
+        except (OSError, TimeoutError) as exc:
+            reason = os.strerror(exc.errno).lower() if isinstance(exc, OSError) and exc.errno else f"no answer within {CONNECT_TIMEOUT:.0f} s"
+        delay = backoff.delay(attempt)
+        if loop.time() + delay > deadline:
+            raise BootstrapUnreachable(f"bootstrap {addr} is unreachable ({reason}, retried for {timeout:.0f} s): check that it runs and that TCP {host}:{port} is reachable from here (firewall, address)")
+        (log.info if attempt == 0 else log.debug)("dht.bootstrap_retry", addr=addr, reason=reason, retry_in=round(delay, 1), gives_up_in=round(deadline - loop.time(), 1))
+        await asyncio.sleep(delay)
+        attempt += 1
+    if not await asyncio.to_thread(trio.run, _handshake, addr):
+        raise BootstrapError(f"bootstrap {addr} answers on TCP {host}:{port}, but not as peer {peer}: use the address that bootstrap prints ('join with: --bootstrap ...'); its /p2p/ part names its key, which changes with its --data-dir")
+
+
+async def _handshake(addr: str) -> bool:
+    """Whether a libp2p host with a fresh key completes a Noise handshake with the peer *addr* names."""
+    lib = libp2p_api()
+    key_pair = lib.create_new_key_pair(Identity.generate().seed)
+    noise = lib.NoiseTransport(key_pair, noise_privkey=lib.create_x25519_key_pair().private_key)
+    host = lib.new_host(key_pair=key_pair, sec_opt={lib.NOISE_PROTOCOL_ID: noise}, connection_config=lib.ConnectionConfig(max_connections_per_peer=1))
+    async with host.run([]):
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT):
+                await host.connect(lib.info_from_p2p_addr(lib.Multiaddr(addr)))
+            return True
+        except Exception as exc:  # libp2p dial errors share no base class; TooSlowError is trio's
+            log.debug("dht.bootstrap_handshake_failed", addr=addr, error=repr(exc))
+            return False
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(CONNECT_TIMEOUT):
+                await host.close()
+
+
+async def check_bootstrap(addrs: Sequence[str], timeout: float = BOOTSTRAP_WAIT) -> None:
+    """Probe every bootstrap at once (:func:`probe_bootstrap`): a malformed or mismatched one is an error, and so is
+    none reachable; some unreachable is a warning (the DHT joins through the others)."""
+    results = await asyncio.gather(*(probe_bootstrap(a, timeout) for a in addrs), return_exceptions=True)
+    unreachable = [r for r in results if isinstance(r, BootstrapUnreachable)]
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, BootstrapUnreachable):
+            raise r
+    if unreachable and len(unreachable) == len(addrs):
+        raise unreachable[0]
+    for r in unreachable:
+        log.warning("dht.bootstrap_unreachable", error=str(r))
 
 
 class _Node:
@@ -207,9 +301,9 @@ class _Node:
                     self.dht.spawn = tasks.start_soon
                     self.multiaddrs = [str(a) for a in self.host.get_addrs()]
                     if self.bootstrap and not await self._join():
-                        raise DiscoveryError(f"none of the bootstrap peers answered: {', '.join(self.bootstrap)}")
+                        raise BootstrapUnreachable(f"none of the bootstrap peers answered: {', '.join(self.bootstrap)}; check that they run and are reachable from here")
                     tasks.start_soon(self._maintain)
-                    log.info(
+                    log.debug(
                         "dht.started", peer=str(self.identity.peer_id), addrs=self.multiaddrs, client=self.client_mode
                     )
                     yield tasks
@@ -262,7 +356,7 @@ class _Node:
                     if await self._publish(pubs):
                         self.republish_all = False
                         if pubs:
-                            log.info("dht.refreshed", records=len(pubs))
+                            log.debug("dht.refreshed", records=len(pubs))
             except Exception as exc:  # this loop must outlive any one failure; logged, then retried
                 log.warning("dht.maintenance_failed", error=repr(exc))
                 self.republish_all = True
@@ -277,7 +371,7 @@ class _Node:
         self.changed.set()
         if not ok:
             raise DiscoveryError(f"announcing {len(slices)} slices failed (retrying every {RETRY_AFTER:.0f}s)")
-        log.info("dht.announced", slices=len(slices), published=len(pubs), ms=_ms_since(started))
+        log.debug("dht.announced", slices=len(slices), published=len(pubs), ms=_ms_since(started))
 
     async def withdraw(self) -> None:
         async with self.lock:
@@ -285,7 +379,7 @@ class _Node:
             ok = await self._publish(pubs)
         if not ok:
             raise DiscoveryError("publishing tombstones failed; see dht.publish_failed")
-        log.info("dht.withdrawn", tombstones=len(pubs))
+        log.debug("dht.withdrawn", tombstones=len(pubs))
 
     async def announce_helper(self, quic_addr: str | None) -> None:
         """Publish (None: withdraw) our helper record; the refresh loop keeps it fresh."""
@@ -305,7 +399,7 @@ class _Node:
         self.changed.set()
         if not ok:
             raise DiscoveryError(f"announcing helper address {quic_addr} failed (retrying every {RETRY_AFTER:.0f}s)")
-        log.info("dht.helper_announced" if quic_addr else "dht.helper_withdrawn", quic=quic_addr)
+        log.debug("dht.helper_announced" if quic_addr else "dht.helper_withdrawn", quic=quic_addr)
 
     def _helper_refresh_at(self) -> float | None:
         helper = self.helper
@@ -530,6 +624,7 @@ class LibP2PDiscovery:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.peer_id = identity.peer_id
+        self._listen = listen
         self._node = _Node(
             identity,
             listen=listen,
@@ -547,6 +642,7 @@ class LibP2PDiscovery:
         return list(self._node.multiaddrs)
 
     async def start(self) -> None:
+        check_free("TCP", *parse_listen(self._listen), "the DHT")  # libp2p's SO_REUSEPORT would share a taken port
         await asyncio.wrap_future(self._thread.start(self._node.running))
 
     async def __aenter__(self) -> LibP2PDiscovery:

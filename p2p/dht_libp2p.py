@@ -1,5 +1,5 @@
 """py-libp2p 0.8.1 under :mod:`p2p.dht`: imported lazily, with our record validator, an expiry-clamping record
-store, patched Kademlia routing, and its logger routed into structlog.
+store, patched Kademlia routing, and its logger re-attached to the root (see :func:`reattach_libp2p_logger`).
 
 Everything here works around a measured defect listed in :mod:`p2p.dht`'s docstring; keeping it in one module keeps
 the DHT logic free of libp2p's internals and makes the next libp2p upgrade a one-file review.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -22,17 +23,15 @@ from p2p.records import RecordError, expires_at_of, select_best, validate
 log = structlog.get_logger("p2p.dht")
 
 
-class ToStructlog(logging.Handler):
-    """Routes the ``libp2p`` logger (which libp2p detaches from the root) into structlog."""
-
-    _BENIGN = frozenset({"Failed to read DHT message from stream: "})  # WARNING on every normal stream close
-    _log = structlog.get_logger("libp2p")
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message not in self._BENIGN:
-            emit = getattr(self._log, record.levelname.lower(), self._log.warning)
-            emit("libp2p.log", logger=record.name, message=message)
+def reattach_libp2p_logger() -> None:
+    """Undo libp2p's detaching of its ``libp2p`` logger on import (no propagation): its info records and up go to the
+    root handler again, whose filter (:mod:`node.logs`) shows them at debug only. Its debug records stay off: a
+    busy DHT node makes ~1,000 a second. Left alone when ``LIBP2P_DEBUG`` is set: then libp2p logs everything
+    through its own handlers, as its documentation says."""
+    if not os.environ.get("LIBP2P_DEBUG"):
+        logger = logging.getLogger("libp2p")
+        logger.setLevel(logging.INFO)
+        logger.propagate = True
 
 
 _libp2p_lock = threading.Lock()
@@ -73,7 +72,7 @@ def _import_libp2p() -> SimpleNamespace:
         # The replacement closes over the original, whichever module imported libp2p first.
         setattr(QuicStreamSender, "get_frame", inspect.getclosurevars(patched).nonlocals["original"])  # noqa: B010  (mypy: no method assignment)
         log.debug("dht.aioquic_patch_reverted")
-    logging.getLogger("libp2p").addHandler(ToStructlog(logging.WARNING))
+    reattach_libp2p_logger()
 
     class RecordValidator(Validator):
         """The /moeswarm/ namespace's validator: every put and get goes through records.validate."""

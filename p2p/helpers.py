@@ -96,7 +96,7 @@ class HelperDirectory:
         """Look the helpers up now."""
         peers = helper_peers(await self._source.lookup_helpers(), self._me, self._clock())
         if {p for p, _ in peers} != {p for p, _ in self._known}:
-            log.info("helpers.updated", helpers=[f"{a[0]}:{a[1]}" for _, a in peers])
+            log.debug("helpers.updated", helpers=[f"{a[0]}:{a[1]}" for _, a in peers])
         self._known = peers
         self._updated.set()
         return self.peers()

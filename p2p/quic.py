@@ -78,6 +78,7 @@ from aioquic.quic.retry import QuicRetryTokenHandler
 
 from p2p.budget import ServeBudget, ServeLimits
 from p2p.identity import Identity, PeerId
+from p2p.ports import binding
 from p2p.quic_aioquic import AuthQuicConnection
 from p2p.quic_conn import Conn, retrieve, settle
 from p2p.quic_errors import Address, ConnectionLost, ErrorCode, MessageTooLarge, PeerAuthError, RemoteError, TransportError, TransportTimeout  # noqa: F401  re-exported: callers import errors from here
@@ -228,9 +229,10 @@ class Endpoint:
             serve_limits=serve_limits,
             max_half_open=max_half_open,
         )
-        transport, _ = await endpoint._loop.create_datagram_endpoint(
-            lambda: _Socket(endpoint), local_addr=(host, port)
-        )
+        with binding("UDP", host, port, "QUIC"):  # a taken port is the operator's to fix: one clear line
+            transport, _ = await endpoint._loop.create_datagram_endpoint(
+                lambda: _Socket(endpoint), local_addr=(host, port)
+            )
         endpoint._transport = transport
         sockname = transport.get_extra_info("sockname")
         endpoint.local_addr = (sockname[0], sockname[1])
@@ -528,7 +530,7 @@ class Endpoint:
         if conn.expected is not None:
             self._dialing = {k: c for k, c in self._dialing.items() if c is not conn}
         self._by_peer.setdefault(peer, conn)
-        log.info("quic.connected", peer=str(peer), addr=conn.addr, role="client" if conn.is_client else "server")
+        log.debug("quic.connected", peer=str(peer), addr=conn.addr, role="client" if conn.is_client else "server")
         settle(conn.ready)
         self._emit(PathOpened(peer, conn.addr))
 
@@ -575,7 +577,7 @@ class Endpoint:
             conn.timer = None
         if quiet:
             return
-        log.info("quic.closed", peer=conn.peer and str(conn.peer), addr=conn.addr, reason=conn.close_reason)
+        log.debug("quic.closed", peer=conn.peer and str(conn.peer), addr=conn.addr, reason=conn.close_reason)
 
     async def _keep_alive(self) -> None:
         while True:

@@ -407,7 +407,7 @@ class Reachability:
                 out.append(Send(p.addr, p.data))
             else:
                 del self._pending[nonce]
-                log.info("reachability.no_answer", peer=str(p.peer), addr=p.addr, request=p.kind.name)
+                log.debug("reachability.no_answer", peer=str(p.peer), addr=p.addr, request=p.kind.name)
                 if p.kind == ReachType.DIAL_BACK:
                     detail = f"{p.peer} did not answer the dial-back request"
                     self._dial_backs.append(DialBackResult(p.peer, None, Outcome.INCONCLUSIVE, now, detail))
@@ -509,7 +509,7 @@ class Reachability:
         elif addr[0] in self._contacted:
             why = f"we sent to {addr[0]} recently: our NAT would admit it anyway"
         if why:
-            log.info("reachability.probe_ignored", helper=str(helper), addr=addr, reason=why)
+            log.debug("reachability.probe_ignored", helper=str(helper), addr=addr, reason=why)
             return
         del self._pending[probe.nonce]
         detail = f"dial-back from {helper} at {addr[0]} arrived"

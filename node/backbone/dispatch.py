@@ -329,7 +329,7 @@ class RemoteMoE:
             except DispatchFailed:
                 continue
         self.stats.local_groups += 1
-        log.info("dispatch.local", layer=layer, group=list(route.partition.bounds[group]), n_tokens=x.shape[0])
+        log.debug("dispatch.local", layer=layer, group=list(route.partition.bounds[group]), n_tokens=x.shape[0])
         return await self._local(layer, x, ids, w, held)
 
     async def _ask(self, host: Host, backup: Host | None, tried: set[PeerId], layer: int, x, ids, w, held) -> tuple[Host, tuple[np.ndarray, bool]]:
@@ -344,7 +344,7 @@ class RemoteMoE:
         done, _ = await asyncio.wait(tasks, timeout=hedge_s)
         if not done:
             tried.add(backup.peer_id)
-            log.info("dispatch.hedged", peer=str(host.peer_id), backup=str(backup.peer_id), layer=layer, after_ms=round(hedge_s * 1e3, 3))
+            log.debug("dispatch.hedged", peer=str(host.peer_id), backup=str(backup.peer_id), layer=layer, after_ms=round(hedge_s * 1e3, 3))
             tasks[asyncio.ensure_future(self._attempt(backup, layer, x, ids, w, held))] = backup
         pending = set(tasks)
         while pending:
@@ -379,7 +379,7 @@ class RemoteMoE:
         now = time.monotonic()
         if isinstance(exc, HostDraining):
             self.router.leaving(host.peer_id, now)
-            log.info("dispatch.redirected", peer=str(host.peer_id), layer=layer, reason=str(exc))
+            log.debug("dispatch.redirected", peer=str(host.peer_id), layer=layer, reason=str(exc))
             return
         was_demoted = self.router.health[host.peer_id].demoted
         next_probe_s = self.router.failed(host.peer_id, now, timed_out=isinstance(exc, HostTimedOut))
@@ -457,14 +457,14 @@ class RemoteMoE:
             latency = (time.perf_counter() - t0) * 1e3
             if not refused:  # a draining host's refusal is no dispatch: it did no work, the group goes elsewhere
                 self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok, worker_ms, probe, timed_out))
-            log.info("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok, probe=probe)
+            log.debug("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok, probe=probe)
         compute_ms = msg.compute_us / 1e3
         self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0), compute_ms, n)
         return sums, receipt, stamp
 
     def _accept(self, receipt: Receipt, stamp: ReceiptStamp) -> None:
         self.receipts.append(receipt)
-        log.info("receipt.accepted", **dataclasses.asdict(receipt))  # the ledger entry's fields, as one event
+        log.debug("receipt.accepted", **dataclasses.asdict(receipt))  # the ledger entry's fields, as one event
         if self.ledger:
             self.ledger.receipt(receipt, stamp)
 

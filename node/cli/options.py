@@ -41,7 +41,10 @@ def open_kernel(name: str, threads: int | None):
 
     return make_kernel(name, thread_count(threads))
 
-bootstrap_opt = click.option("--bootstrap", "bootstrap", multiple=True, help="DHT bootstrap multiaddr /ip4/H/tcp/P/p2p/ID (repeatable).")
+def bootstrap_opt(command):
+    """--bootstrap and --bootstrap-wait: whom to join, and how long to retry them (checked before a model loads)."""
+    command = click.option("--bootstrap-wait", default=30.0, show_default=True, type=click.FloatRange(min=0), help="Seconds to retry an unreachable --bootstrap (with backoff) before giving up with an error; checked before the model loads.")(command)
+    return click.option("--bootstrap", "bootstrap", multiple=True, help="DHT bootstrap multiaddr /ip4/H/tcp/P/p2p/ID (repeatable), as the bootstrap prints it.")(command)
 data_dir_opt = click.option("--data-dir", default=None, help="Where this node keeps its key (default ~/.moeswarm/ROLE).")
 http_opt = click.option("--http", "http_addr", default=None, help="HOST:PORT for /healthz, /readyz, /metrics and the /status page (port 0: any free port; default: no HTTP).")
 timeout_opt = click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Most seconds a dispatch waits for a host; a measured host gets a deadline from its round trips (never more than this).")

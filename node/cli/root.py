@@ -21,14 +21,16 @@ import sys  # noqa: E402
 import click  # noqa: E402
 
 from experts.errors import UsageError  # noqa: E402
-from node.logs import configure_logging  # noqa: E402
+from node.logs import DEFAULT_LEVEL, LEVELS, configure_logging  # noqa: E402
 
 
 class LazyGroup(click.Group):
     """A group whose subcommands are ``"module:attribute"`` strings, imported on first use.
 
-    A user-fixable error (:class:`experts.errors.UsageError`) becomes one ``error:`` line on
-    stderr and exit code 2; anything else is a bug and keeps its traceback (exit 1).
+    A user-fixable error (:class:`experts.errors.UsageError`, also inside an exception group made of
+    nothing else) becomes one ``error:`` line on stderr and exit code 2; anything else is a bug and keeps its
+    traceback (exit 1). Library code raises UsageErrors whose message names the problem and what to do (a
+    taken port: :mod:`p2p.ports`; a bootstrap that is down or has another key: :func:`p2p.dht.probe_bootstrap`).
     """
 
     def __init__(self, *args, lazy_subcommands: dict[str, str] | None = None, **kwargs) -> None:
@@ -53,6 +55,18 @@ class LazyGroup(click.Group):
         except UsageError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
+        except BaseExceptionGroup as group:  # trio (libp2p's loop) and asyncio.TaskGroup raise what failed in groups
+            mistakes, rest = group.split(UsageError)
+            if mistakes is None or rest is not None:
+                raise
+            click.echo(f"error: {_first_leaf(mistakes)}", err=True)
+            sys.exit(2)
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    """The first exception of a (nested) exception group: the one line to print when all of them are mistakes."""
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 @click.group(
@@ -72,8 +86,8 @@ class LazyGroup(click.Group):
         "worker": "node.cli.swarm:worker_cmd",
     },
 )
-@click.option("--log-level", default="warning", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--log-json", is_flag=True, help="Structured JSON logs on stderr.")
+@click.option("--log-level", default=DEFAULT_LEVEL, show_default=True, type=click.Choice(LEVELS), help="info: a few lines a person wants (loading, serving, addresses, a per-minute summary, errors); debug adds per-dispatch events and other libraries' logs (libp2p's).")
+@click.option("--log-json", is_flag=True, help="Logs on stderr as JSON lines only (other libraries' too), exceptions as structured data.")
 def main(log_level: str, log_json: bool) -> None:
     """moeswarm: run Mixture-of-Experts models across a peer-to-peer swarm."""
     configure_logging(log_level, json_logs=log_json)

@@ -24,6 +24,7 @@ from node.runtime import load_identity, parse_hostport, until_stopped, write_rea
 from node.status.coverage import Phase
 from node.status.server import NodeStatus, model_shape, url_of, watching
 from node.verdicts import default_wire
+from p2p.dht import check_bootstrap
 from p2p.identity import Identity
 
 log = structlog.get_logger("node.cli.serve")
@@ -33,6 +34,7 @@ log = structlog.get_logger("node.cli.serve")
 @click.option("--model", "model_path", default=str(EMBEDDED_MODEL), show_default="the embedded model", help="Full model GGUF (the backbone runs its dense part).")
 @bootstrap_opt
 @click.option("--http", "http_addr", default="127.0.0.1:8000", show_default=True, help="HOST:PORT for the OpenAI-compatible API (port 0: any free port).")
+@click.option("--api-key", default=None, envvar="MOESWARM_API_KEY", show_envvar=True, callback=lambda ctx, param, v: _api_key(v), help="Require 'Authorization: Bearer KEY' (the OpenAI client's api_key) on every path but /healthz and /readyz; 401 otherwise. Prefer the environment variable: a command line is visible to other users.")
 @click.option("--served-model-name", default=None, help="Model id clients must ask for (default: the GGUF file's name without .gguf).")
 @click.option("--wire", default="auto", show_default=True, type=click.Choice(["auto", "f32", "f16", "int8"]), help="auto: f16 once `moeswarm verify --wire f16` passed for the model, else f32.")
 @click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts before serving.")
@@ -56,7 +58,7 @@ log = structlog.get_logger("node.cli.serve")
 @relay_opts
 @data_dir_opt
 @ready_opt
-def serve_cmd(model_path, bootstrap, http_addr, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, no_speculative, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
+def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, no_speculative, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
     """Serve /v1/completions and /v1/chat/completions, batching concurrent requests' dispatches."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
@@ -64,18 +66,28 @@ def serve_cmd(model_path, bootstrap, http_addr, served_model_name, wire, wait_ho
     session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=1.0 if verify_all else spot_check, hold_experts=not remote_experts_only, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME, relay=relay_settings(relay_ca, relay_keepalive))
     cache_bytes = parse_size(prefix_cache) if prefix_cache not in ("0", "") else 0
     options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative)
-    asyncio.run(serve(load_identity(home), model, bootstrap, parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), session, options, ready_file))
+    asyncio.run(serve(load_identity(home), model, (bootstrap, bootstrap_wait), parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), session, options, ready_file, api_key))
 
 
-async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str, int], name: str, wait: tuple[int, float], session: dict, options: dict, ready_file: str | None) -> None:
+def _api_key(value: str | None) -> str | None:
+    """An API key is printable ASCII without spaces (what an HTTP header carries unchanged); an empty one is refused
+    rather than read as "no key"."""
+    if value is not None and (not value or not all(33 <= ord(c) < 127 for c in value)):
+        raise click.BadParameter("the API key must be non-empty printable ASCII without spaces")
+    return value
+
+
+async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str, int], name: str, wait: tuple[int, float], session: dict, options: dict, ready_file: str | None, api_key: str | None = None) -> None:
     """Bind HTTP at once (503 until ready), find the workers, then serve on this loop until SIGINT/SIGTERM."""
     status = NodeStatus("gateway", str(identity.peer_id), phase=Phase.LOADING, model=model_shape(model), needs_swarm=True, ledger_path=session["ledger_path"])
-    gateway = Gateway(None, name, model.digest, status)
+    gateway = Gateway(None, name, model.digest, status, api_key=api_key)
     host, port = await gateway.start(*http)
     status.http_addr = f"{host}:{port}"
     url = url_of(host, port) + "/v1"
-    log.info("gateway.listening", http_addr=status.http_addr, status=url_of(host, port) + "/status")
+    log.info("gateway.listening", http_addr=status.http_addr, status=url_of(host, port) + "/status", auth="bearer" if api_key else "none")
+    bootstrap, bootstrap_wait = bootstrap
     try:
+        await check_bootstrap(bootstrap, bootstrap_wait)  # before the dense weights load (/readyz says "loading")
         tok = Tokenizer.from_spec(model.tokenizer_spec)
         backbone = await asyncio.to_thread(Backbone, model, session["kernel"])  # the loop keeps answering /readyz meanwhile
         async with backbone_session(identity, model, bootstrap, **session) as remote, watching(status):

@@ -25,6 +25,7 @@ from node.status.server import model_shape
 from node.verdicts import default_wire
 from node.worker.node import WorkerOptions, run_worker
 from p2p.budget import ServeLimits
+from p2p.dht import check_bootstrap
 from p2p.records import MalformedRecord, check_quic_addr, check_relay_url
 
 
@@ -50,14 +51,14 @@ def _record_field(check):
 @click.option("--model", "model_path", default=None, help="With --http: the model GGUF whose coverage (hosts per layer and expert range) the status page shows.")
 @data_dir_opt
 @ready_opt
-def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ...], http_addr: str | None, model_path: str | None, data_dir: str | None, ready_file: str | None) -> None:
+def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ...], bootstrap_wait: float, http_addr: str | None, model_path: str | None, data_dir: str | None, ready_file: str | None) -> None:
     """Run a DHT bootstrap node (also a reachability helper for NAT detection)."""
     parse_hostport(listen)
     quic = parse_hostport(quic_listen) if quic_listen else None
     http = parse_hostport(http_addr) if http_addr else None
     shape = model_shape(GGUFModel(model_path)) if model_path else None
     ident = load_identity(node_dir(data_dir, "bootstrap"))
-    asyncio.run(run_bootstrap_node(ident, listen, bootstrap, ready_file, quic, http=http, model=shape, on_ready=_print_bootstrap))
+    asyncio.run(run_bootstrap_node(ident, listen, bootstrap, ready_file, quic, http=http, model=shape, on_ready=_print_bootstrap, bootstrap_wait=bootstrap_wait))
 
 
 def _print_bootstrap(addrs: list[str]) -> None:
@@ -84,6 +85,7 @@ def _print_bootstrap(addrs: list[str]) -> None:
 @click.option("--relay", default=None, callback=_record_field(check_relay_url), help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable. The worker then checks its reachability against the DHT's helpers: public -> it also announces a direct QUIC address; behind NAT -> only the relay, and backbones hole-punch to it (not behind a symmetric NAT).")
 @click.option("--reachability-recheck", "recheck_s", default=300.0, show_default=True, type=click.FloatRange(min=1), help="With --relay: seconds between reachability re-checks; a changed verdict is re-announced (e.g. after a port forward).")
 @click.option("--drain-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0), help="On SIGTERM/SIGINT: seconds to finish the dispatches in flight (after withdrawing the records, new ones are refused) before closing.")
+@click.option("--summary-interval", "summary_s", default=60.0, show_default=True, type=click.FloatRange(min=1), help="Seconds between the info lines that sum up what this worker served and earned (an interval with no dispatch prints none).")
 @click.option("--dispatch-delay", default=0.0, hidden=True, type=click.FloatRange(min=0), help="Test only: seconds every dispatch waits before computing.")
 @click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay).")
 @click.option("--request-buffer", default="64M", show_default=True, help="Request bytes all peers together may make this worker hold (arriving or being computed); past it the stalest unfinished requests are reset, then new ones refused (OVERLOADED).")
@@ -96,7 +98,7 @@ def _print_bootstrap(addrs: list[str]) -> None:
 @http_opt
 @data_dir_opt
 @ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, memory_budget, kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, request_buffer, request_buffer_per_peer, max_streams_per_peer, request_deadline, max_in_flight, max_in_flight_per_peer, relay_ca, relay_keepalive, http_addr, data_dir, ready_file) -> None:
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, bootstrap_wait, memory_budget, kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, summary_s, dispatch_delay, relay_only, request_buffer, request_buffer_per_peer, max_streams_per_peer, request_deadline, max_in_flight, max_in_flight_per_peer, relay_ca, relay_keepalive, http_addr, data_dir, ready_file) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
@@ -110,6 +112,7 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         listen=parse_hostport(listen),
         dht_listen=dht_listen,
         bootstrap=bootstrap,
+        bootstrap_wait=bootstrap_wait,
         memory_budget=parse_size(memory_budget) if memory_budget else None,
         kernel=kernel_name,
         threads=thread_count(threads),
@@ -127,6 +130,7 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         serve_limits=_serve_limits(request_buffer, request_buffer_per_peer, max_streams_per_peer, request_deadline),
         max_in_flight=max_in_flight,
         max_in_flight_per_peer=max_in_flight_per_peer,
+        summary_s=summary_s,
     )
     if relay_only and not relay:
         raise click.UsageError("--relay-only needs --relay URL")
@@ -171,7 +175,7 @@ def backbone_group() -> None:
 @relay_opts
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, timeout, route_refresh, hedge, listen, dht_listen, spot_check, verify_all, max_price, ledger_path, local_experts, local_memory, remote_experts_only, speculative, overlap, kernel_name, threads, relay_ca, relay_keepalive, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, bootstrap_wait, prompt, n_tokens, wire, wait_hosts, timeout, route_refresh, hedge, listen, dht_listen, spot_check, verify_all, max_price, ledger_path, local_experts, local_memory, remote_experts_only, speculative, overlap, kernel_name, threads, relay_ca, relay_keepalive, data_dir, as_json) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
@@ -179,12 +183,14 @@ def generate_cmd(model_path, bootstrap, prompt, n_tokens, wire, wait_hosts, time
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
     session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=1.0 if verify_all else spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
                    local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None, hold_experts=not remote_experts_only, relay=relay_settings(relay_ca, relay_keepalive))
-    result = asyncio.run(_generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative, overlap=overlap))
+    result = asyncio.run(_generate(ident, model, (bootstrap, bootstrap_wait), prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative, overlap=overlap))
     if as_json:
         emit_json(result)
 
 
 async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session: dict, *, stream: bool, speculative: bool, overlap: bool) -> dict:
+    bootstrap, wait = bootstrap
+    await check_bootstrap(bootstrap, wait)  # before the dense weights load
     tok = Tokenizer.from_spec(model.tokenizer_spec)
     bb = Backbone(model, session["kernel"])
     async with backbone_session(ident, model, bootstrap, **session) as moe:

@@ -12,6 +12,9 @@ shape is tested without a server; :mod:`node.gateway.server` puts them on the wi
 * Chat prompt template (the embedded model has none): one line per message,
   ``"System: ..."``, ``"User: ..."``, ``"Assistant: ..."``, then ``"Assistant:"``;
   generation also stops at ``"\\nUser:"``.
+* API key (``--api-key``): clients send ``Authorization: Bearer KEY``, as the OpenAI client does; the key is
+  compared in constant time (``hmac.compare_digest``), and a request without it or with another gets a 401 in
+  OpenAI's shape (``code: "invalid_api_key"``). Every path but :data:`OPEN_PATHS` needs it.
 * Errors are OpenAI-style JSON, ``{"error": {"message", "type", "param", "code"}}``. A body
   that is not JSON, nests deeper than ``MAX_JSON_DEPTH``, gives a field the wrong type or
   holds text that is not Unicode (a lone surrogate such as ``"\\ud800"``, which JSON allows)
@@ -20,6 +23,7 @@ shape is tested without a server; :mod:`node.gateway.server` puts them on the wi
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import time
@@ -51,6 +55,20 @@ class ApiError(MoeSwarmError):
 
 # What a client learns of a 500: the exception text may hold paths, peer ids or prompts, so it stays in the log.
 INTERNAL_ERROR = ApiError(500, "internal error: the server could not complete this request; its log has the details", type="server_error")
+
+
+# Paths a supervisor probes without credentials (liveness and readiness say nothing about the swarm's contents);
+# every other path of a gateway with an API key needs it: /v1/*, /status, /status.json and /metrics.
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+def check_api_key(authorization: str | None, key: str) -> None:
+    """Accept ``Authorization: Bearer <key>`` (scheme case-insensitive), compared in constant time; 401 otherwise."""
+    scheme, _, given = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise ApiError(401, "no API key given: send it in an Authorization header, 'Authorization: Bearer YOUR_KEY' (the OpenAI client does this with api_key=...)", code="invalid_api_key")
+    if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), key.encode("utf-8")):
+        raise ApiError(401, "incorrect API key: the gateway was started with another --api-key (or MOESWARM_API_KEY)", code="invalid_api_key")
 
 
 # --- requests -------------------------------------------------------------------------------------

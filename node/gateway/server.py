@@ -15,6 +15,9 @@ so only the cancellation can tell it the client left).
 The gateway binds its port before the swarm is found: until :meth:`Gateway.attach` hands it the engine, every
 ``/v1`` request gets 503 with the reason, and ``/healthz``, ``/readyz``, ``/metrics`` and ``/status``
 (:mod:`node.status.server`) answer from the start, so a supervisor tells "starting" from "dead".
+
+With an API key every path but ``/healthz`` and ``/readyz`` needs ``Authorization: Bearer KEY``
+(:func:`node.gateway.openai.check_api_key`); a 401 also carries ``WWW-Authenticate: Bearer`` (RFC 6750).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from aiohttp import web
 
 from node.backbone.dispatch import RemoteMoE
 from node.gateway.engine import Engine, QueueFull, Stream
-from node.gateway.openai import INTERNAL_ERROR, ApiError, Finished, Reply, check_model, model_card, parse_body, parse_request, sse
+from node.gateway.openai import INTERNAL_ERROR, OPEN_PATHS, ApiError, Finished, Reply, check_api_key, check_model, model_card, parse_body, parse_request, sse
 from node.status.server import NodeStatus, add_routes, start_app
 
 log = structlog.get_logger("node.gateway.server")
@@ -36,8 +39,9 @@ log = structlog.get_logger("node.gateway.server")
 class Gateway:
     """The aiohttp application around an :class:`Engine` (given now, or later with :meth:`attach`)."""
 
-    def __init__(self, engine: Engine | None, model_name: str, model_digest: str, status: NodeStatus | None = None) -> None:
+    def __init__(self, engine: Engine | None, model_name: str, model_digest: str, status: NodeStatus | None = None, *, api_key: str | None = None) -> None:
         self._engine = engine
+        self._api_key = api_key
         self.status = status
         self.model_name = model_name
         self.fingerprint = "fp_" + model_digest[:12]
@@ -77,9 +81,12 @@ class Gateway:
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         try:
+            if self._api_key is not None and request.path not in OPEN_PATHS:
+                check_api_key(request.headers.get("Authorization"), self._api_key)
             return await handler(request)
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            headers = {"WWW-Authenticate": 'Bearer realm="moeswarm"'} if exc.status == 401 else None
+            return web.json_response(exc.body(), status=exc.status, headers=headers)
         except web.HTTPException as exc:  # unknown path, wrong method, body too large
             err = ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=exc.reason.lower().replace(" ", "_"))
             return web.json_response(err.body(), status=exc.status)
@@ -130,7 +137,7 @@ class Gateway:
             assert done is not None  # a stream ends with its Finished (or raises)
             return web.json_response(reply.body("".join(parts), done))
         except asyncio.CancelledError:  # the client disconnected (see the module docstring)
-            log.info("gateway.client_left", path=request.path)
+            log.debug("gateway.client_left", path=request.path)
             raise
         finally:
             stream.cancel()
@@ -157,5 +164,5 @@ class Gateway:
             await resp.write(sse("[DONE]"))
             await resp.write_eof()
         except ConnectionResetError:  # the client left; the caller cancels the sequence
-            log.info("gateway.client_left", id=reply.id)
+            log.debug("gateway.client_left", id=reply.id)
         return resp

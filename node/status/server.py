@@ -31,6 +31,7 @@ from node.status import errors
 from node.status.coverage import Coverage, Phase, Seen, build_coverage, readiness
 from node.status.metrics import LedgerTotals, NodeCollector, exposition, registry_for
 from node.status.page import render
+from p2p.ports import binding
 
 log = structlog.get_logger("node.status")
 REFRESH_S = 5.0
@@ -162,7 +163,12 @@ async def start_app(app: web.Application, host: str, port: int, *, handler_cance
     """
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        with binding("TCP", host, port, "HTTP"):
+            sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=handler_cancellation)
     await runner.setup()
     await web.SockSite(runner, sock, shutdown_timeout=2.0).start()

@@ -31,16 +31,17 @@ from node.worker.lifecycle import Lifecycle, State
 from node.worker.service import MAX_IN_FLIGHT, MAX_IN_FLIGHT_PER_PEER, Worker
 from p2p import wire
 from p2p.budget import ServeLimits
-from p2p.dht import LibP2PDiscovery
+from p2p.dht import BOOTSTRAP_WAIT, LibP2PDiscovery, check_bootstrap, parse_listen
 from p2p.helpers import NodeReachability, helper_address
 from p2p.identity import Identity
 from p2p.nat import announced_address
+from p2p.ports import check_free
 from p2p.quic import Endpoint
 from p2p.reachability import Verdict
 from p2p.records import HostedSlice, RelayAddress
 from relay.client import RelaySettings, attach
 
-log = structlog.get_logger("node.backbone.session")
+log = structlog.get_logger("node.worker.node")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class WorkerOptions:
     listen: tuple[str, int]
     dht_listen: str
     bootstrap: Sequence[str]
+    bootstrap_wait: float = BOOTSTRAP_WAIT  # seconds to retry an unreachable bootstrap, before anything loads
     memory_budget: int | None = None  # refuse to start unless the hosted experts fit (see experts.hosting)
     kernel: str = "ggml"  # experts.kernels.KERNELS name; self-tested before anything is announced
     threads: int = 1
@@ -69,6 +71,7 @@ class WorkerOptions:
     serve_limits: ServeLimits = ServeLimits()  # what peers may make the QUIC endpoint hold (p2p.budget)
     max_in_flight: int = MAX_IN_FLIGHT  # dispatches accepted and not yet answered, all peers; then OVERLOADED
     max_in_flight_per_peer: int = MAX_IN_FLIGHT_PER_PEER
+    summary_s: float = 60.0  # seconds between "worker.summary" lines (none for a quiet interval)
 
 
 WITHDRAW_TIMEOUT_S = 10.0  # past it shutdown goes on; the records then expire on their own
@@ -95,7 +98,7 @@ class WorkerNode:
             await self._close()
             raise
         self.lifecycle.move(State.SERVING)
-        log.info("worker.ready", peer=str(self.identity.peer_id), quic=self.addr, reachability=self.reachability, layers=f"{self.store.layers.start}-{self.store.layers.stop - 1}", experts=str(self.store.experts), mode=self.plan.mode, resident_mb=round(self.plan.resident_bytes / 2**20, 1), kernel=str(self.store.identity), threads=self.opts.threads)
+        log.info("worker.ready", peer=str(self.identity.peer_id), quic=self.addr, relay=self.opts.relay, dht=self.dht.multiaddrs[:1], reachability=self.reachability, layers=f"{self.store.layers.start}-{self.store.layers.stop - 1}", experts=str(self.store.experts), mode=self.plan.mode, resident_mb=round(self.plan.resident_bytes / 2**20, 1), kernel=str(self.store.identity), threads=self.opts.threads)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -104,6 +107,11 @@ class WorkerNode:
     async def _start(self) -> None:
         opts, identity, stack = self.opts, self.identity, self._stack
         self.model = model = GGUFModel(opts.model)
+        # A taken port or a wrong or dead bootstrap fails now, not after loading (the DHT node exists only later).
+        check_free("UDP", *opts.listen, "QUIC")
+        check_free("TCP", *parse_listen(opts.dht_listen), "the DHT")
+        await check_bootstrap(opts.bootstrap, opts.bootstrap_wait)
+        log.info("worker.loading", model=model.path.name, layers=_span(opts.layers), experts=str(opts.experts) if opts.experts else "all", kernel=opts.kernel)
         kernel = await asyncio.to_thread(make_kernel, opts.kernel, opts.threads)  # KernelError: refuse to serve
         store, self.plan = open_experts(model, kernel, opts.layers, opts.experts, memory_budget=opts.memory_budget)  # refuses what does not fit, before reading it
         self.store = store
@@ -154,6 +162,7 @@ class WorkerNode:
         await dht.announce(self.slices(worker.price))
         if opts.price:
             self._spawn(self._reprice())
+        self._spawn(self._summarize())
 
     def ready_info(self) -> dict:
         """What the ready file publishes: how launchers and tests reach this worker."""
@@ -184,6 +193,18 @@ class WorkerNode:
                 self.worker.price = price
                 await self.dht.announce(self.slices(price))
                 log.info("worker.repriced", price=price)
+
+    async def _summarize(self) -> None:
+        """Every ``summary_s``: one line of what the last interval served and earned (nothing if it served nothing)."""
+        stats = self.worker.stats
+        seen = (stats.dispatches, stats.tokens, stats.errors, stats.credits)
+        while True:
+            await asyncio.sleep(self.opts.summary_s)
+            now = (stats.dispatches, stats.tokens, stats.errors, stats.credits)
+            if now[:3] != seen[:3]:
+                d = [a - b for a, b in zip(now, seen)]
+                log.info("worker.summary", seconds=self.opts.summary_s, dispatches=d[0], tokens=d[1], refused=d[2], credits=d[3], credits_total=now[3], peers=len(stats.by_peer))
+            seen = now
 
     async def _readvertise(self, verdict: Verdict) -> None:
         """A re-check changed the verdict: announce the direct address it implies (or withdraw ours)."""
@@ -244,6 +265,10 @@ class WorkerNode:
         await self._stack.aclose()
         self.lifecycle.move(State.CLOSED)
         log.info("worker.closed", peer=str(self.identity.peer_id))
+
+
+def _span(layers: range | None) -> str:
+    return f"{layers.start}-{layers.stop - 1}" if layers else "all"
 
 
 async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None, *, http: tuple[str, int] | None = None) -> None:

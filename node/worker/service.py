@@ -79,6 +79,7 @@ class WorkerStats:
     errors: int = 0
     batches: int = 0
     tokens: int = 0
+    credits: int = 0  # work units x price, as the receipts say (see node.ledger.receipts)
     by_peer: dict[str, int] = field(default_factory=dict)
 
 
@@ -221,8 +222,9 @@ class Worker:
             self.ledger.receipt(receipt, stamp)
         self.stats.dispatches += 1
         self.stats.tokens += req.n_tokens
+        self.stats.credits += receipt.credits
         self.stats.by_peer[str(peer)] = self.stats.by_peer.get(str(peer), 0) + 1
-        log.info("dispatch.served", compute_us=compute_us, **dataclasses.asdict(receipt))  # one event, the receipt's fields
+        log.debug("dispatch.served", compute_us=compute_us, **dataclasses.asdict(receipt))  # one event, the receipt's fields
         return reply.encode()
 
     async def _compute(self, layer: int, x, ids, w, held) -> np.ndarray:

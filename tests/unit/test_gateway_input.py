@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from experts.embedded import EMBEDDED_MODEL
 from experts.gguf_model import GGUFModel
 from experts.tokenizer import Tokenizer
-from node.gateway.openai import MAX_JSON_DEPTH, ApiError, parse_body, parse_request
+from node.gateway.openai import MAX_JSON_DEPTH, ApiError, check_api_key, parse_body, parse_request
 from node.gateway.server import Gateway
 
 MODEL = GGUFModel(EMBEDDED_MODEL)
@@ -81,3 +81,17 @@ def test_well_formed_text_and_stream_options_still_parse():
     body = parse_body(b'{"model": "embedded", "prompt": "And \\ud83d\\ude00", "stream": true, "stream_options": {"include_usage": true}}')
     job = parse_request(body, chat=False, served="embedded", tok=TOK, context_length=MODEL.cfg.context_length, session_header=None)
     assert job.prompt == tuple(TOK.encode("And \U0001f600"))
+
+
+@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer  ", "Basic sk-1", "sk-1", "Bearer sk-2", "Bearer sk-1x", "Bearer \udcff"])
+def test_a_missing_or_other_api_key_is_a_401(header):
+    """Anything but ``Bearer <the key>`` is OpenAI's 401 ``invalid_api_key`` (also a header that is not UTF-8)."""
+    with pytest.raises(ApiError) as caught:
+        check_api_key(header, "sk-1")
+    assert caught.value.status == 401 and caught.value.body()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("header", ["Bearer sk-1", "bearer sk-1", "BEARER  sk-1 "])
+def test_the_bearer_key_is_accepted_whatever_the_scheme_case(header):
+    """The scheme is case-insensitive (RFC 7235) and surrounding blanks do not matter."""
+    check_api_key(header, "sk-1")
