@@ -13,7 +13,7 @@ from p2p.identity import Identity
 
 ARCHS = ("qwen2moe", "qwen3moe", "llama")
 # Checked against llama.cpp in test_reference; not yet through every swarm test (dense layers, see issue 12).
-NEW_ARCHS = ("olmoe", "glm4moe", "minimax-m2")
+NEW_ARCHS = ("olmoe", "glm4moe", "minimax-m2", "gpt-oss")
 Q = gguf.GGMLQuantizationType
 
 

@@ -1,7 +1,7 @@
 """Our forward, through each kernel, against llama.cpp's own logits on the same GGUF files (F32 KV cache).
 
 F32 weights: cosine >= 0.99999 and the same argmax everywhere, on the reference and the ggml kernels. Quantized
-weights (Q8_0, Q4_K) through the ggml kernel: the quantized gate, cosine >= 0.999 with near ties excluded and
+weights (Q8_0, Q4_K; MXFP4 for gpt-oss) through the ggml kernel: the quantized gate, cosine >= 0.999 with near ties excluded and
 counted. Only ggml is held to it: like llama.cpp it quantizes the activations inside those matmuls, while the
 reference kernel multiplies the dequantized weights in float32, which flips router choices on random models
 (measured: Q8_0 min cosine 0.998 for qwen3moe, 0.964 for glm4moe).
@@ -73,6 +73,22 @@ def test_quantized_model_passes_the_gate_against_llamacpp(model_dir, arch, qtype
     assert c.positions >= 32
     if qtype is Q.Q8_0:  # random Q4_K models' logits are nearly flat: every position is a near tie, cosine decides
         assert c.positions - c.near_ties_excluded >= 32, c  # the argmax check covers >= 32 clear positions
+    assert run_gate(model, Codec.F32, kernel=make_kernel("ggml", 1))["remote_vs_local"]["bit_identical"]
+
+
+def test_mxfp4_gpt_oss_passes_the_quantized_gate_against_llamacpp(model_dir):
+    """gpt-oss ships MXFP4 experts: through the ggml kernel (which, like llama.cpp, quantizes the activations to Q8_0
+    inside MXFP4 matmuls) a random MXFP4 model passes the quantized gate, and `verify --wire f32` is bit-identical."""
+    pytest.importorskip("llama_cpp")
+    from experts.reference import llamacpp_logits
+
+    model = GGUFModel(make_model(model_dir, "gpt-oss", Q.MXFP4, **SHAPE))
+    assert model.qtype("blk.0.ffn_down_exps.weight") is Q.MXFP4 and model.qtype("blk.0.ffn_down_exps.bias") is Q.F32
+    tokens = Tokenizer.from_spec(model.tokenizer_spec).encode(DEFAULT_PROMPT)
+    bb, hook = engine(model, "ggml")
+    c = compare(bb.forward(tokens, KVCache(), hook), llamacpp_logits(model.path, tokens))
+    assert c.min_cosine >= MIN_COSINE and c.argmax_agree == 1.0, c
+    assert c.positions - c.near_ties_excluded >= 32, c
     assert run_gate(model, Codec.F32, kernel=make_kernel("ggml", 1))["remote_vs_local"]["bit_identical"]
 
 
