@@ -212,3 +212,12 @@ def test_a_node_without_gpt_oss_refuses_its_slice_with_one_line(model_dir, tmp_p
     with pytest.raises(ModelFormatError, match=r"unsupported architecture 'gpt-oss' \(general.architecture\); supported: ") as err:
         GGUFModel(path)
     assert "\n" not in str(err.value)
+
+
+def test_rope_scaling_other_than_yarn_is_refused(tmp_path):
+    """llama.cpp would scale RoPE linearly; we do not compute that, so the file is refused naming the key and the type."""
+    cfg = random_config("qwen3moe")
+    p = tmp_path / "linear.gguf"
+    write_model(p, cfg, random_tensors(cfg), byte_level_tokenizer(), extra_kv={"qwen3moe.rope.scaling.type": "linear"})
+    with pytest.raises(ModelFormatError, match=r"qwen3moe.rope.scaling.type is 'linear'; supported: none, yarn"):
+        GGUFModel(p)
