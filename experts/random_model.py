@@ -150,8 +150,10 @@ def _random_arrays(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarra
             arr = 0.1 * rng.standard_normal(shape)  # a selection bias on sigmoid probabilities: small, but it moves choices
         elif name.endswith(("ffn_gate_exps.bias", "ffn_up_exps.bias")):
             arr = 3.0 * rng.standard_normal(shape)  # wide enough that SwiGLU-OAI's clamps at +-7 bite on some rows
-        elif name.endswith(("ffn_gate_inp.bias", "attn_sinks.weight")) or name.endswith("_exps.bias"):
-            arr = rng.standard_normal(shape)  # centred: a router bias or sink logit of ~1 everywhere would change little
+        elif name.endswith("attn_sinks.weight"):
+            arr = 2.0 + rng.standard_normal(shape)  # sink logits above the typical score: they take a visible share
+        elif name.endswith(("ffn_gate_inp.bias", "_exps.bias")):
+            arr = rng.standard_normal(shape)  # centred: a router bias of ~1 everywhere would change little
         elif len(shape) == 1:
             arr = 1.0 + 0.1 * rng.standard_normal(shape)
         else:

@@ -9,16 +9,21 @@ reference kernel multiplies the dequantized weights in float32, which flips rout
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
 
+from experts import moe
+from experts.arch import Gating
 from experts.codecs import Codec
 from experts.forward import Backbone, KVCache, local_moe
 from experts.gguf_model import GGUFModel
 from experts.hosting import open_experts
 from experts.kernels import make_kernel
 from experts.moe import ungrouped_moe
+from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from experts.verify import DEFAULT_PROMPT, MIN_COSINE, compare, run_gate
 
@@ -74,6 +79,32 @@ def test_quantized_model_passes_the_gate_against_llamacpp(model_dir, arch, qtype
     if qtype is Q.Q8_0:  # random Q4_K models' logits are nearly flat: every position is a near tie, cosine decides
         assert c.positions - c.near_ties_excluded >= 32, c  # the argmax check covers >= 32 clear positions
     assert run_gate(model, Codec.F32, kernel=make_kernel("ggml", 1))["remote_vs_local"]["bit_identical"]
+
+
+GPT_OSS_ABLATIONS = {
+    "yarn": lambda bb, mp: setattr(bb, "yarn", None),
+    "sinks": lambda bb, mp: setattr(bb, "layers", [dataclasses.replace(L, sinks=None) for L in bb.layers]),
+    "sliding window": lambda bb, mp: setattr(bb, "cfg", dataclasses.replace(bb.cfg, n_swa=0)),
+    "SWA RoPE base": lambda bb, mp: setattr(bb, "cfg", dataclasses.replace(bb.cfg, rope_theta_swa=0.0)),
+    "output bias": lambda bb, mp: setattr(bb, "layers", [dataclasses.replace(L, bo=None) for L in bb.layers]),
+    "router bias": lambda bb, mp: setattr(bb, "layers", [dataclasses.replace(L, router_bias=None) for L in bb.layers]),
+    "softmax over the selected": lambda bb, mp: setattr(bb, "router_params", dataclasses.replace(bb.router_params, gating=Gating.SOFTMAX)),
+    "SwiGLU-OAI clamps": lambda bb, mp: mp.setattr(moe, "swiglu_oai", lambda g, u: g / (1 + np.exp(-1.702 * g)) * (u + 1)),
+    "expert biases": lambda bb, mp: mp.setattr(ExpertStore, "biases", lambda self, layer, expert: None),
+}
+
+
+@pytest.mark.parametrize("feature", list(GPT_OSS_ABLATIONS))
+def test_every_gpt_oss_feature_of_the_random_model_matters(model_dir, monkeypatch, feature):
+    """The F32 gate would catch each gpt-oss feature done wrong: leaving any one out drops below 0.9999 vs llama.cpp."""
+    pytest.importorskip("llama_cpp")
+    from experts.reference import llamacpp_logits
+
+    path = make_model(model_dir, "gpt-oss", **SHAPE)
+    bb, hook = engine(GGUFModel(path), "reference")
+    GPT_OSS_ABLATIONS[feature](bb, monkeypatch)
+    c = compare(bb.forward(TOKENS, KVCache(), hook), llamacpp_logits(path, TOKENS))
+    assert c.min_cosine < 0.9999, c
 
 
 def test_mxfp4_gpt_oss_passes_the_quantized_gate_against_llamacpp(model_dir):
