@@ -43,6 +43,14 @@ class Gating(enum.Enum):
 
     SOFTMAX = 1
     SIGMOID = 2
+    SOFTMAX_WEIGHT = 3  # gpt-oss: select on the raw logits, weights = softmax over the k selected logits
+
+
+class Activation(enum.Enum):
+    """The gated activation inside an expert (llama.cpp's ``llm_ffn_op_type`` of ``build_moe_ffn``)."""
+
+    SILU = "silu"  # silu(gate) * up
+    SWIGLU_OAI = "swiglu_oai"  # gpt-oss: g = min(gate, 7); g * sigmoid(1.702 g) * (clip(up, -7, 7) + 1)
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,12 @@ class ArchSpec:
     ffn_norm: str = "ffn_norm"  # the FFN pre-norm tensor (glm4moe calls it post_attention_norm)
     optional_tensors: tuple[str, ...] = ()  # per-layer tensors llama.cpp loads if present (random models write them)
     mha_only: bool = False  # llama.cpp needs n_head_kv == n_head (olmoe: its K norm is n_embd wide)
+    router_bias: bool = False  # blk.N.ffn_gate_inp.bias: added to the router logits (gpt-oss)
+    expert_act: Activation = Activation.SILU
+    expert_bias: bool = False  # ffn_{gate,up,down}_exps.bias: per-expert biases, sliced and proven like the weights
+    attn_out_bias: bool = False  # attn_output.bias (gpt-oss; required there)
+    attn_sinks: bool = False  # attn_sinks.weight (n_head,): a per-head logit that joins every softmax, unscaled
+    swa_period: int = 0  # > 0: attention.sliding_window is required; default period of the SWA layer pattern
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -146,10 +160,32 @@ ARCHS: dict[str, ArchSpec] = {
         gating_from_file=True,
         selection_bias=True,
     ),
+    # src/models/openai-moe.cpp: attention with q/k/v/o biases, per-head sinks, sliding window on even layers
+    # (period 2 unless the file says), YaRN; router bias, top-k on logits then softmax over the selected;
+    # SwiGLU-OAI experts with biases.
+    "gpt-oss": ArchSpec(
+        name="gpt-oss",
+        rope=RopeStyle.NEOX,
+        norm_topk=False,
+        shared_expert=SharedExpert.NONE,
+        qk_norm=QKNorm.NONE,
+        qkv_bias=True,
+        tied_output_allowed=False,
+        n_ff_exp_key="expert_feed_forward_length",
+        gating=Gating.SOFTMAX_WEIGHT,
+        ffn_norm="post_attention_norm",
+        router_bias=True,
+        expert_act=Activation.SWIGLU_OAI,
+        expert_bias=True,
+        attn_out_bias=True,
+        attn_sinks=True,
+        swa_period=2,
+    ),
 }
 
 # Stacked expert tensors: numpy shape (n_expert, rows, cols), i.e. ggml ne[2] = expert.
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+EXPERT_BIASES = tuple(k + ".bias" for k in EXPERT_TENSORS)  # (n_expert, rows): one bias row per expert
 FUSED_GATE_UP = "ffn_gate_up_exps"  # (n_expert, 2 * n_ff_exp, n_embd): gate rows first, then up
 # Tensors an MTP block (blk.N, N >= n_layer) may carry besides its layer and nextn.{eh_proj,enorm,hnorm}.
 MTP_OPTIONAL = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight", "nextn.shared_head_norm.weight")

@@ -39,6 +39,11 @@ class ModelConfig:
     expert_weights_scale: float = field(default=0.0, metadata=_LATER)
     n_expert_groups: int = field(default=0, metadata=_LATER)  # group-limited top-k (DeepSeek-V3 style) when > 1
     n_group_used: int = field(default=0, metadata=_LATER)
+    n_swa: int = field(default=0, metadata=_LATER)  # sliding window (attention.sliding_window); 0: every layer attends to all
+    swa_period: int = field(default=0, metadata=_LATER)  # llama.cpp's set_swa_pattern(n): layer i is SWA iff i % n < n - 1
+    rope_theta_swa: float = field(default=0.0, metadata=_LATER)  # rope.freq_base_swa of SWA layers; 0: rope_theta
+    yarn_factor: float = field(default=0.0, metadata=_LATER)  # rope.scaling.factor when rope.scaling.type is yarn; 0: no YaRN
+    yarn_orig_ctx: int = field(default=0, metadata=_LATER)  # rope.scaling.original_context_length (YaRN's n_ctx_orig)
 
     @property
     def spec(self) -> ArchSpec:
@@ -59,6 +64,15 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         """Whether *layer* routes to experts (else it has a dense FFN and nothing to dispatch)."""
         return layer >= self.n_dense_lead
+
+    def is_swa(self, layer: int) -> bool:
+        """Whether *layer* attends only to the last ``n_swa`` positions (llama.cpp's ``hparams.is_swa``)."""
+        p = self.swa_period
+        return self.n_swa > 0 and (p == 0 or layer % p < p - 1)
+
+    def rope_base(self, layer: int) -> float:
+        """The RoPE base of *layer*: SWA layers may have their own (``model.get_rope_freq_base``)."""
+        return self.rope_theta_swa if self.rope_theta_swa and self.is_swa(layer) else self.rope_theta
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

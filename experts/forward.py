@@ -4,7 +4,7 @@ Every matmul is batch invariant (see :mod:`experts.moe`): a token's logits are t
 bits whether it is decoded alone, verified in a speculative draft or batched with other
 sequences, which is what makes those optimisations exactly output-preserving.
 
-Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2: the per-arch
+Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss: the per-arch
 differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
 thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> Future[routed_sum]``
 (llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe` through
@@ -55,18 +55,48 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(ms + eps).astype(np.float32)) * w
 
 
-def rope(x: np.ndarray, pos: np.ndarray, theta_base: float, style: RopeStyle, n_rot: int | None = None) -> np.ndarray:
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN as ggml's ``rope_yarn`` applies it; beta 32/1 whatever the file says (llama-cpp-python passes those)."""
+
+    factor: float  # rope.scaling.factor: frequencies are interpolated by 1/factor
+    orig_ctx: int  # rope.scaling.original_context_length
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def corr_dims(self, n_rot: int, base: float) -> tuple[float, float]:
+        """The pair indices where the ramp from extrapolated to interpolated frequencies starts and ends."""
+
+        def dim(beta: float) -> float:
+            return n_rot * np.log(self.orig_ctx / (beta * 2 * np.pi)) / (2 * np.log(base))
+
+        return max(0.0, float(np.floor(dim(self.beta_fast)))), min(n_rot - 1.0, float(np.ceil(dim(self.beta_slow))))
+
+    def angles(self, theta: np.ndarray, n_rot: int, base: float) -> tuple[np.ndarray, float]:
+        """(angles, magnitude): each pair's angle mixed between theta/factor and theta by the ramp, and the
+        ``1 + 0.1 ln factor`` that cos and sin carry (llama.cpp's attn_factor cancels its own copy of it)."""
+        lo, hi = self.corr_dims(n_rot, base)
+        i = np.arange(theta.shape[-1], dtype=np.float64)
+        ramp = 1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0)  # ext_factor 1
+        interp = theta / self.factor
+        return interp * (1.0 - ramp) + theta * ramp, 1.0 + 0.1 * float(np.log(self.factor))
+
+
+def rope(x: np.ndarray, pos: np.ndarray, theta_base: float, style: RopeStyle, n_rot: int | None = None, yarn: Yarn | None = None) -> np.ndarray:
     """Rotate the first *n_rot* dims (default all) of x (n, heads, head_dim) by positions pos (n,).
 
     As ggml: the frequencies are over n_rot, not head_dim, and the other dims pass through.
     """
     if n_rot is not None and n_rot < x.shape[-1]:
-        return np.concatenate([rope(x[..., :n_rot], pos, theta_base, style), x[..., n_rot:]], axis=-1)
+        return np.concatenate([rope(x[..., :n_rot], pos, theta_base, style, yarn=yarn), x[..., n_rot:]], axis=-1)
     hd = x.shape[-1]
     inv = theta_base ** (-np.arange(0, hd // 2, dtype=np.float64) * 2.0 / hd)
     ang = pos[:, None].astype(np.float64) * inv[None, :]
-    cos = np.cos(ang).astype(np.float32)[:, None, :]
-    sin = np.sin(ang).astype(np.float32)[:, None, :]
+    mag = 1.0
+    if yarn is not None:
+        ang, mag = yarn.angles(ang, hd, theta_base)
+    cos = (np.cos(ang) * mag).astype(np.float32)[:, None, :]
+    sin = (np.sin(ang) * mag).astype(np.float32)[:, None, :]
     if style is RopeStyle.NEOX:
         a, b = x[..., : hd // 2], x[..., hd // 2 :]
         return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
@@ -75,6 +105,17 @@ def rope(x: np.ndarray, pos: np.ndarray, theta_base: float, style: RopeStyle, n_
     out[..., 0::2] = a * cos - b * sin
     out[..., 1::2] = a * sin + b * cos
     return out
+
+
+def sink_softmax(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
+    """softmax over the last axis of (heads, 1, t), each head's sink logit (unscaled) joining the max and the
+    denominator but no output, as ggml's soft_max with sinks; without sinks, the plain softmax."""
+    if sinks is None:
+        return softmax(scores)
+    s = sinks.astype(np.float32)[:, None, None]
+    m = np.maximum(scores.max(axis=-1, keepdims=True), s)
+    e = np.exp(scores - m)
+    return e / (e.sum(axis=-1, keepdims=True) + np.exp(s - m))
 
 
 @dataclass
@@ -104,10 +145,13 @@ class Layer:
     bq: np.ndarray | None
     bk: np.ndarray | None
     bv: np.ndarray | None
+    bo: np.ndarray | None  # attn_output.bias
+    sinks: np.ndarray | None  # attn_sinks.weight: one logit per head
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
     ffn_norm: np.ndarray
     router: Linear | None  # None: a dense layer (no experts), computed by *ffn*
+    router_bias: np.ndarray | None  # ffn_gate_inp.bias: added to the logits
     selection_bias: np.ndarray | None  # exp_probs_b: moves the top-k choice, not the weights
     shexp: tuple[np.ndarray | None, FFN] | None  # (sigmoid gate or None for an un-gated one, the expert's gate/up/down)
     ffn: FFN | None  # a dense layer's FFN
@@ -152,16 +196,20 @@ class Backbone:
                     bq=opt(b + "attn_q.bias"),
                     bk=opt(b + "attn_k.bias"),
                     bv=opt(b + "attn_v.bias"),
+                    bo=opt(b + "attn_output.bias"),
+                    sinks=opt(b + "attn_sinks.weight"),
                     q_norm=opt(b + "attn_q_norm.weight"),
                     k_norm=opt(b + "attn_k_norm.weight"),
                     ffn_norm=d(b + self.spec.ffn_norm + ".weight"),
                     router=lin.linear(b + "ffn_gate_inp.weight") if moe else None,
+                    router_bias=opt(b + "ffn_gate_inp.bias") if moe else None,
                     selection_bias=opt(b + "exp_probs_b.bias") if moe else None,
                     shexp=shexp,
                     ffn=None if moe else lin.ffn(b + "ffn_gate.weight", b + "ffn_up.weight", b + "ffn_down.weight"),
                 )
             )
         self.router_params = cfg.router
+        self.yarn = Yarn(cfg.yarn_factor, cfg.yarn_orig_ctx) if cfg.yarn_factor else None
 
     def attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
         cfg, L = self.cfg, self.layers[i]
@@ -177,8 +225,9 @@ class Backbone:
         v = v.reshape(n, cfg.n_head_kv, hd)
         if L.q_norm is not None and not whole:
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
-        q = rope(q, pos, cfg.rope_theta, self.spec.rope, cfg.rope_dim)
-        k = rope(k, pos, cfg.rope_theta, self.spec.rope, cfg.rope_dim)
+        base = cfg.rope_base(i)
+        q = rope(q, pos, base, self.spec.rope, cfg.rope_dim, self.yarn)
+        k = rope(k, pos, base, self.spec.rope, cfg.rope_dim, self.yarn)
         if len(cache.k) <= i:
             cache.k.append(k)
             cache.v.append(v)
@@ -188,20 +237,27 @@ class Backbone:
         rep = cfg.n_head // cfg.n_head_kv
         scale = np.float32(1.0 / np.sqrt(hd))
         out = np.empty((n, cfg.n_head, hd), dtype=np.float32)
-        # One query row at a time over exactly its causal keys 0..pos: the same shapes (and so the same
-        # bits) whether the row is decoded alone, verified inside a speculative draft, or batched.
+        window = cfg.n_swa if cfg.is_swa(i) else 0
+        # One query row at a time over exactly its causal keys (the last n_swa of them on an SWA layer, which
+        # masks key p0 for query p1 when p1 - p0 >= n_swa): the same shapes (and so the same bits) whether the
+        # row is decoded alone, verified inside a speculative draft, or batched.
         for r in range(n):
             t = int(pos[r]) + 1
-            K = np.ascontiguousarray(np.repeat(cache.k[i][:t], rep, axis=1).transpose(1, 2, 0))  # (heads, hd, t)
-            V = np.ascontiguousarray(np.repeat(cache.v[i][:t], rep, axis=1).transpose(1, 0, 2))  # (heads, t, hd)
+            s0 = max(0, t - window) if window else 0
+            K = np.ascontiguousarray(np.repeat(cache.k[i][s0:t], rep, axis=1).transpose(1, 2, 0))  # (heads, hd, t)
+            V = np.ascontiguousarray(np.repeat(cache.v[i][s0:t], rep, axis=1).transpose(1, 0, 2))  # (heads, t, hd)
             scores = np.matmul(q[r][:, None, :], K) * scale  # (heads, 1, t)
-            out[r] = np.matmul(softmax(scores), V)[:, 0, :]
-        return L.wo(out.reshape(n, cfg.q_dim))
+            out[r] = np.matmul(sink_softmax(scores, L.sinks), V)[:, 0, :]
+        y = L.wo(out.reshape(n, cfg.q_dim))
+        return y if L.bo is None else y + L.bo
 
     def router(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         L = self.layers[i]
         assert L.router is not None, f"layer {i} is dense: it has no router"
-        return route(L.router(x), self.cfg.n_expert_used, self.router_params, L.selection_bias)
+        logits = L.router(x)
+        if L.router_bias is not None:
+            logits = logits + L.router_bias
+        return route(logits, self.cfg.n_expert_used, self.router_params, L.selection_bias)
 
     def shared_expert(self, i: int, x: np.ndarray) -> np.ndarray | None:
         """The always-on expert; independent of the routed sum, so it can run during a dispatch."""

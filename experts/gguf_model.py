@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .arch import EXPERT_TENSORS, FUSED_GATE_UP, MTP_OPTIONAL, Gating, SharedExpert, arch_spec
+from .arch import EXPERT_BIASES, EXPERT_TENSORS, FUSED_GATE_UP, MTP_OPTIONAL, Gating, SharedExpert, arch_spec
 from .config import ModelConfig, TokenizerSpec
 from .errors import ModelFormatError
 from .model_writer import expected_shapes
@@ -91,6 +91,16 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         except ValueError:
             raise ModelFormatError(f"{a}expert_gating_func is {code}; supported: " + ", ".join(f"{g.value} ({g.name.lower()})" for g in Gating)) from None
     n_groups = int(opt("expert_group_count", 0))
+    n_swa = swa_period = 0
+    if spec.swa_period:
+        n_swa = int(_field(reader, a + "attention.sliding_window"))
+        swa_period = opt("attention.sliding_window_pattern", spec.swa_period)
+        if not isinstance(swa_period, int):  # llama.cpp's get_key_or_arr into one period: a per-layer array is another arch's
+            raise ModelFormatError(f"{a}attention.sliding_window_pattern must be one period for {arch}, not a per-layer array")
+    scaling = str(opt("rope.scaling.type", "none"))
+    if scaling not in ("none", "yarn"):
+        raise ModelFormatError(f"{a}rope.scaling.type is {scaling!r}; supported: none, yarn")
+    yarn = scaling == "yarn"
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
         arch=arch,
@@ -117,6 +127,11 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         expert_weights_scale=float(opt("expert_weights_scale", 0.0)) if spec.scale_from_file else 0.0,
         n_expert_groups=n_groups if n_groups > 1 else 0,  # 1/1 (as GLM files say) means no grouping
         n_group_used=int(opt("expert_group_used_count", 0)) if n_groups > 1 else 0,
+        n_swa=n_swa,
+        swa_period=int(swa_period),
+        rope_theta_swa=float(opt("rope.freq_base_swa", 0.0)) if n_swa else 0.0,
+        yarn_factor=float(opt("rope.scaling.factor", 0.0)) if yarn else 0.0,  # absent: factor 1, YaRN changes nothing
+        yarn_orig_ctx=int(opt("rope.scaling.original_context_length", opt("context_length", 2048))) if yarn else 0,
     )
 
 
@@ -191,6 +206,12 @@ class GGUFModel:
             return (FUSED_GATE_UP, "ffn_down_exps")
         return EXPERT_TENSORS
 
+    def expert_tensors(self, layer: int) -> tuple[str, ...]:
+        """Every tensor of *layer* stacked by expert (weights, then the arch's expert biases): what a slice
+        cuts along the expert axis and proves expert by expert."""
+        names = tuple(f"blk.{layer}.{kind}.weight" for kind in self.expert_kinds(layer))
+        return names + (tuple(f"blk.{layer}.{b}" for b in EXPERT_BIASES) if self.cfg.spec.expert_bias else ())
+
     def _check_shapes(self) -> None:
         cfg = self.cfg
         want = expected_shapes(cfg)
@@ -201,11 +222,7 @@ class GGUFModel:
                 want[f"blk.{i}.{FUSED_GATE_UP}.weight"] = (e, 2 * ff, d)
         if self.is_slice:
             n = len(self.experts)
-            want = {
-                f"blk.{i}.{kind}.weight": (n, *want[f"blk.{i}.{kind}.weight"][1:])
-                for i in self.moe_layers
-                for kind in self.expert_kinds(i)
-            }
+            want = {name: (n, *want[name][1:]) for i in self.moe_layers for name in self.expert_tensors(i)}
         elif "output.weight" not in self.tensors and cfg.spec.tied_output_allowed:
             del want["output.weight"]
         optional = cfg.spec.optional_tensors
@@ -257,11 +274,24 @@ class GGUFModel:
 
     def expert_bytes(self, layer: int, kind: str, expert: int) -> np.ndarray:
         """One expert's contiguous, block-aligned bytes of a stacked expert tensor (zero copy)."""
-        name = f"blk.{layer}.{kind}.weight"
-        local = expert - self.experts.start
+        return self.expert_rows(f"blk.{layer}.{kind}.weight", expert)
+
+    def expert_rows(self, name: str, expert: int) -> np.ndarray:
+        """One expert's bytes of the stacked tensor *name* (weight or bias), zero copy."""
+        layer = int(name.split(".")[1])
         if expert not in self.experts or layer not in self.layers:
             raise KeyError(f"expert {expert} of layer {layer} is not in {self.path}")
-        return self.raw(name).reshape(self.shape(name)[0], -1)[local]
+        return self.raw(name).reshape(self.shape(name)[0], -1)[expert - self.experts.start]
+
+    def expert_biases(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """float32 (gate (ff,), up (ff,), down (d,)) biases of one expert, or None if the arch has none."""
+        if not self.cfg.spec.expert_bias:
+            return None
+        g, u, d = (
+            dequantize_bytes(self.expert_rows(f"blk.{layer}.{b}", expert), self.qtype(f"blk.{layer}.{b}"), self.shape(f"blk.{layer}.{b}")[1:])
+            for b in EXPERT_BIASES
+        )
+        return g, u, d
 
     def expert_byte_range(self, layer: int, kind: str, expert: int) -> tuple[int, int]:
         """(file offset, length) of one expert inside its stacked tensor."""
@@ -323,7 +353,8 @@ def model_digest(manifest: list[str]) -> str:
 
 
 def _is_expert_tensor(name: str) -> bool:
-    return name.endswith("_exps.weight")
+    """Stacked by expert, so hashed expert by expert (a Merkle list): the weights and their biases."""
+    return name.endswith(("_exps.weight", "_exps.bias"))
 
 
 def config_line(cfg: ModelConfig) -> str:

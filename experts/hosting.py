@@ -42,19 +42,19 @@ class LoadPlan:
 
 
 def packed_bytes(model: GGUFModel, layers: range, experts: ExpertRange) -> int:
-    """Bytes of the packed weights of *layers* x *experts* in *model*'s file (dense layers have none)."""
+    """Bytes of the packed weights (and expert biases) of *layers* x *experts* in *model*'s file (dense layers have none)."""
     total = 0
     for i in filter(model.cfg.is_moe, layers):
-        for kind in model.expert_kinds(i):
-            t = model.tensors[f"blk.{i}.{kind}.weight"]
-            total += t.n_bytes // model.shape(t.name)[0] * len(experts)
+        for name in model.expert_tensors(i):
+            total += model.tensors[name].n_bytes // model.shape(name)[0] * len(experts)
     return total
 
 
 def float_bytes(model: GGUFModel, layers: range, experts: ExpertRange) -> int:
-    """What a float32 cache of *layers* x *experts* takes (gate, up and down of each expert)."""
+    """What a float32 cache of *layers* x *experts* takes (gate, up and down of each expert, and their biases)."""
     cfg = model.cfg
-    return 3 * cfg.n_ff_exp * cfg.n_embd * 4 * sum(map(cfg.is_moe, layers)) * len(experts)
+    per_expert = 3 * cfg.n_ff_exp * cfg.n_embd + ((2 * cfg.n_ff_exp + cfg.n_embd) if cfg.spec.expert_bias else 0)
+    return per_expert * 4 * sum(map(cfg.is_moe, layers)) * len(experts)
 
 
 def plan_load(model: GGUFModel, kernel: Kernel | type[Kernel], memory_budget: int | None = None, layers: range | None = None, experts: ExpertRange | None = None) -> LoadPlan:

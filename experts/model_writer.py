@@ -49,6 +49,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
             if spec.selection_bias:
                 shapes[b + "exp_probs_b.bias"] = (e,)
+            if spec.router_bias:
+                shapes[b + "ffn_gate_inp.bias"] = (e,)
+            if spec.expert_bias:
+                shapes |= {b + "ffn_gate_exps.bias": (e, ff), b + "ffn_up_exps.bias": (e, ff), b + "ffn_down_exps.bias": (e, d)}
         else:
             f = cfg.n_ff_dense
             shapes |= {b + "ffn_gate.weight": (f, d), b + "ffn_up.weight": (f, d), b + "ffn_down.weight": (d, f)}
@@ -58,6 +62,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 b + "attn_k.bias": (cfg.kv_dim,),
                 b + "attn_v.bias": (cfg.kv_dim,),
             }
+        if spec.attn_out_bias:
+            shapes[b + "attn_output.bias"] = (d,)
+        if spec.attn_sinks:
+            shapes[b + "attn_sinks.weight"] = (cfg.n_head,)
         if spec.qk_norm is QKNorm.PER_HEAD:
             shapes |= {b + "attn_q_norm.weight": (cfg.head_dim,), b + "attn_k_norm.weight": (cfg.head_dim,)}
         elif spec.qk_norm is QKNorm.WHOLE:
@@ -77,9 +85,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 # Small tensors stay F32 whatever the requested type, as llama.cpp's converter does:
-# norms, biases and the router are tiny and precision-sensitive.
-def _keeps_f32(name: str, arr: np.ndarray) -> bool:
-    return arr.ndim == 1 or name.endswith("ffn_gate_inp.weight")
+# norms, biases (the stacked expert biases too) and the router are tiny and precision-sensitive.
+def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 1 or name.endswith((".bias", "ffn_gate_inp.weight"))
 
 
 def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
@@ -121,6 +129,16 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     if cfg.n_expert_groups:
         w.add_expert_group_count(cfg.n_expert_groups)
         w.add_expert_group_used_count(cfg.n_group_used)
+    if cfg.n_swa:
+        w.add_sliding_window(cfg.n_swa)
+        w.add_sliding_window_pattern(cfg.swa_period)
+    if cfg.rope_theta_swa:
+        w.add_rope_freq_base_swa(cfg.rope_theta_swa)
+    if cfg.yarn_orig_ctx:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        if cfg.yarn_factor:
+            w.add_rope_scaling_factor(cfg.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(cfg.yarn_orig_ctx)
 
 
 def write_model(
@@ -163,7 +181,7 @@ def write_model(
 
     for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if qtype == gguf.GGMLQuantizationType.F32 or _keeps_f32(name, arr):
+        if qtype == gguf.GGMLQuantizationType.F32 or keeps_f32(name, arr.shape):
             w.add_tensor(name, arr)
         else:
             w.add_tensor(name, gguf.quantize(arr, qtype), raw_dtype=qtype)

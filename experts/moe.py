@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .arch import Gating
+from .arch import Activation, Gating
 
 if TYPE_CHECKING:  # experts.kernels imports this module
     from .gguf_model import ExpertRange, GGUFModel
@@ -71,7 +71,7 @@ def route(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray
     probabilities of the chosen ones. Returns (expert ids int32 (n, k), weights float32 (n, k)).
     """
     logits = logits.astype(np.float32, copy=False)
-    probs = softmax(logits) if router.gating is Gating.SOFTMAX else sigmoid(logits)
+    probs = {Gating.SOFTMAX: softmax, Gating.SIGMOID: sigmoid, Gating.SOFTMAX_WEIGHT: lambda z: z}[router.gating](logits)
     sel = probs if selection_bias is None else probs + selection_bias
     if router.n_groups > 1:
         n, e = sel.shape
@@ -84,6 +84,8 @@ def route(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray
         sel = (groups + mask[..., None]).reshape(n, e)
     ids = np.argsort(-sel, axis=-1, kind="stable")[:, :k].astype(np.int32)
     w = np.take_along_axis(probs, ids, axis=-1)
+    if router.gating is Gating.SOFTMAX_WEIGHT:
+        w = softmax(w)
     if router.norm:
         w = w / np.maximum(w.sum(axis=-1, keepdims=True), NORM_CLAMP)
     if router.scale not in (0.0, 1.0):
@@ -103,11 +105,38 @@ def tiled_matmul(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
     return out[:m]
 
 
-def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
-    """SwiGLU expert: down(silu(gate x) * up x), batch invariant. x (m, d) -> (m, d)."""
+# SwiGLU-OAI (gpt-oss), as ggml's swiglu_oai: gate capped, up clipped, sigmoid sharpened, up shifted by 1.
+OAI_ALPHA = np.float32(1.702)
+OAI_LIMIT = np.float32(7.0)
+
+
+def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """min(g, 7) * sigmoid(1.702 min(g, 7)) * (clip(u, -7, 7) + 1), element by element in float32."""
+    x = np.minimum(g, OAI_LIMIT)
+    y = np.clip(u, -OAI_LIMIT, OAI_LIMIT)
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(OAI_ALPHA * -x)) * (y + np.float32(1.0))
+
+
+def glu(act: Activation, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The expert's gated activation of (gate x, up x)."""
+    return silu(g) * u if act is Activation.SILU else swiglu_oai(g, u)
+
+
+# One expert's biases (gate (ff,), up (ff,), down (d,)): added after each projection, as llama.cpp's add_id.
+Biases = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def expert_ffn(
+    x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, act: Activation = Activation.SILU, bias: Biases | None = None
+) -> np.ndarray:
+    """Gated expert: down(act(gate x, up x)) (+ biases after each projection), batch invariant. x (m, d) -> (m, d)."""
     g = tiled_matmul(x, gate.T)
     u = tiled_matmul(x, up.T)
-    return tiled_matmul(silu(g) * u, down.T)
+    if bias is not None:
+        g, u = g + bias[0], u + bias[1]
+    y = tiled_matmul(glu(act, g, u), down.T)
+    return y if bias is None else y + bias[2]
 
 
 class ExpertSource:
@@ -126,6 +155,15 @@ class ExpertSource:
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise NotImplementedError
+
+    def biases(self, layer: int, expert: int) -> Biases | None:
+        """The expert's (gate, up, down) biases, or None for an arch without them (this default)."""
+        return None
+
+    @property
+    def activation(self) -> Activation:
+        """The experts' gated activation (this default: SiLU); a source on a model says its arch's."""
+        return Activation.SILU
 
     def partial_sum(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """See :func:`partial_sum`."""
@@ -153,7 +191,7 @@ def partial_sum(
     contrib = np.zeros((n, k, x.shape[1]), dtype=np.float32)
     for e in np.unique(expert_ids[held]):
         rows, slots = np.nonzero(held & (expert_ids == e))
-        y = expert_ffn(x[rows], *source.weights(layer, int(e)))
+        y = expert_ffn(x[rows], *source.weights(layer, int(e)), source.activation, source.biases(layer, int(e)))
         contrib[rows, slots] = weights[rows, slots][:, None] * y
     return ordered_sum(contrib, held)
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arch import FUSED_GATE_UP
+from .arch import EXPERT_BIASES, FUSED_GATE_UP, Activation
 from .errors import SliceError
 from .gguf_model import ExpertRange, GGUFModel
-from .kernels import Kernel, KernelIdentity, QuantWeight
-from .moe import ExpertSource, ordered_sum
+from .kernels import ExpertBias, Kernel, KernelIdentity, QuantWeight
+from .moe import Biases, ExpertSource, ordered_sum
 from .slices import hosted_part
 
 
@@ -31,6 +31,7 @@ class PackedExperts(ExpertSource):
         self.kernel = kernel
         self.layers, self.experts = hosted_part(model, layers, experts)
         self._stacks: dict[int, tuple[QuantWeight, QuantWeight, QuantWeight]] = {}
+        self._biases: dict[int, ExpertBias | None] = {}
 
     def holds(self, layer: int, expert: int) -> bool:
         return layer in self.layers and self.model.cfg.is_moe(layer) and expert in self.experts
@@ -64,12 +65,29 @@ class PackedExperts(ExpertSource):
             got = self._stacks[layer] = (views[0], views[1], views[2])
         return got
 
+    def stack_biases(self, layer: int) -> ExpertBias | None:
+        """The expert biases of *layer* as float32 stacks by local expert (None if the arch has none)."""
+        if layer not in self._biases:
+            m = self.model
+            self._biases[layer] = ExpertBias(*(m.dense(f"blk.{layer}.{b}") for b in EXPERT_BIASES)) if m.cfg.spec.expert_bias else None
+        return self._biases[layer]
+
+    @property
+    def activation(self) -> Activation:
+        return self.model.cfg.spec.expert_act
+
+    def biases(self, layer: int, expert: int) -> Biases | None:
+        if not self.holds(layer, expert):
+            raise SliceError(f"expert {expert} of layer {layer} is not hosted here")
+        return self.model.expert_biases(layer, expert)
+
     def ffn(self, layer: int, x: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """The FFN of expert ``experts[i]`` (global index) on row ``x[i]``, for every row."""
         experts = np.asarray(experts)
         if len(experts) and not all(self.holds(layer, int(e)) for e in np.unique(experts)):
             raise SliceError(f"an expert of {np.unique(experts).tolist()} of layer {layer} is not hosted here")
-        return self.kernel.expert_ffn(x, (experts - self.model.experts.start).astype(np.int32), *self.stacks(layer))
+        local = (experts - self.model.experts.start).astype(np.int32)
+        return self.kernel.expert_ffn(x, local, *self.stacks(layer), self.activation, self.stack_biases(layer))
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Dequantized weights of one expert (for callers of the ExpertSource interface; not cached)."""

@@ -16,10 +16,10 @@ import numpy as np
 
 from .config import ModelConfig, TokenizerSpec
 from .errors import ModelFormatError
-from .model_writer import expected_shapes, write_model
+from .model_writer import expected_shapes, keeps_f32, write_model
 
 Q = gguf.GGMLQuantizationType
-GGUFPY_QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}
+GGUFPY_QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4}
 # Byte offsets of the f16 super-block scales (d, and dmin where present) in each K-quant block.
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 SUPPORTED_QTYPES = GGUFPY_QUANTIZABLE | set(K_QUANT_SCALES)
@@ -56,10 +56,13 @@ def byte_level_tokenizer() -> TokenizerSpec:
 
 # What a random model of each arch switches on beyond its table row, so every feature llama.cpp
 # implements for the arch is exercised: glm4moe gets a dense lead layer, a trailing MTP block,
-# half-width RoPE, a scaled renormalised router with expert groups; minimax-m2 half-width RoPE.
+# half-width RoPE, a scaled renormalised router with expert groups; minimax-m2 half-width RoPE; gpt-oss a
+# 4-token window on its SWA layers with their own RoPE base, and YaRN (factor 32, as the real models) over an
+# original context of 64, so the ramp between interpolated and extrapolated frequencies falls inside the head.
 RANDOM_FEATURES: dict[str, dict] = {
     "glm4moe": {"n_dense_lead": 1, "n_nextn": 1, "half_rope": True, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
     "minimax-m2": {"half_rope": True, "gating": "sigmoid"},
+    "gpt-oss": {"n_swa": 4, "rope_theta_swa": 2000.0, "yarn_factor": 32.0, "yarn_orig_ctx": 64},
 }
 
 
@@ -126,6 +129,11 @@ def random_config(
         expert_weights_scale=feat.get("expert_weights_scale", 0.0),
         n_expert_groups=groups,
         n_group_used=used,
+        n_swa=feat.get("n_swa", 0),
+        swa_period=spec.swa_period if feat.get("n_swa") else 0,
+        rope_theta_swa=feat.get("rope_theta_swa", 0.0),
+        yarn_factor=feat.get("yarn_factor", 0.0),
+        yarn_orig_ctx=feat.get("yarn_orig_ctx", 0),
     )
 
 
@@ -140,6 +148,12 @@ def _random_arrays(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarra
     for name, shape in expected_shapes(cfg).items():
         if name.endswith("exp_probs_b.bias"):
             arr = 0.1 * rng.standard_normal(shape)  # a selection bias on sigmoid probabilities: small, but it moves choices
+        elif name.endswith(("ffn_gate_exps.bias", "ffn_up_exps.bias")):
+            arr = 3.0 * rng.standard_normal(shape)  # wide enough that SwiGLU-OAI's clamps at +-7 bite on some rows
+        elif name.endswith("attn_sinks.weight"):
+            arr = 2.0 + rng.standard_normal(shape)  # sink logits above the typical score: they take a visible share
+        elif name.endswith(("ffn_gate_inp.bias", "_exps.bias")):
+            arr = rng.standard_normal(shape)  # centred: a router bias of ~1 everywhere would change little
         elif len(shape) == 1:
             arr = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
@@ -191,7 +205,7 @@ def write_random_model(
         tensors = {}
         rng = np.random.default_rng(seed + 1)
         for name, arr in _random_arrays(cfg, seed):
-            if arr.ndim >= 2 and not name.endswith("ffn_gate_inp.weight"):
+            if not keeps_f32(name, arr.shape):
                 raw[name] = (random_k_blocks(qtype, arr.shape, float(arr.std()), rng), arr.shape, qtype)
             else:
                 tensors[name] = arr
@@ -199,7 +213,7 @@ def write_random_model(
     else:
         tensors = random_tensors(cfg, seed)
         block = gguf.GGML_QUANT_SIZES[qtype][0]
-        bad = [n for n, a in tensors.items() if a.ndim >= 2 and a.shape[-1] % block]
+        bad = [n for n, a in tensors.items() if not keeps_f32(n, a.shape) and a.shape[-1] % block]
         if bad:
             raise ModelFormatError(f"{qtype.name} needs row lengths that are multiples of {block}; {bad[0]} has {tensors[bad[0]].shape[-1]}")
     write_model(path, cfg, tensors, tok, qtype=qtype, raw_tensors=raw)

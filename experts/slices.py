@@ -18,11 +18,12 @@ import gguf
 import numpy as np
 import structlog
 
+from .arch import Activation
 from .errors import SliceError
 from .gguf_model import SLICE_PREFIX, ExpertRange, GGUFModel, config_line, model_digest
 from .kernels.reference import ReferenceKernel
 from .model_writer import add_hparams
-from .moe import ExpertSource
+from .moe import Biases, ExpertSource
 
 log = structlog.get_logger("experts.slices")
 
@@ -62,8 +63,7 @@ def write_slice(model: GGUFModel, layers: range, experts: ExpertRange, out: str 
     w.add_array(p + "manifest", model.manifest)
     leaves = {}
     for i in moe:
-        for kind in model.expert_kinds(i):
-            name = f"blk.{i}.{kind}.weight"
+        for name in model.expert_tensors(i):  # weights and expert biases alike: cut by expert, proven by expert
             leaves[name] = model.leaves[name]
             data = model.raw(name).reshape(model.shape(name)[0], -1)[experts.start : experts.stop]
             shape = (len(experts), *model.shape(name)[1:])
@@ -93,13 +93,12 @@ def check_slice(sl: GGUFModel, expected_digest: str | None = None) -> None:
         raise SliceError(f"slice {sl.path}: its hyper-parameters differ from those of model {info.model_digest[:16]}...")
     manifest_hash = {line.split("|")[0]: line.split("|")[3] for line in info.manifest[1:]}
     for i in sl.moe_layers:
-        for kind in sl.expert_kinds(i):
-            name = f"blk.{i}.{kind}.weight"
+        for name in sl.expert_tensors(i):
             leaves = info.leaves.get(name)
             if leaves is None or hashlib.sha256("".join(leaves).encode()).hexdigest() != manifest_hash.get(name):
                 raise SliceError(f"slice {sl.path}: tensor {name} is not part of model {info.model_digest[:16]}...")
             for e in range(sl.experts.start, sl.experts.stop):
-                if hashlib.sha256(sl.expert_bytes(i, kind, e)).hexdigest() != leaves[e]:
+                if hashlib.sha256(sl.expert_rows(name, e)).hexdigest() != leaves[e]:
                     raise SliceError(f"slice {sl.path}: expert {e} of {name} does not match the model's bytes")
 
 
@@ -134,6 +133,15 @@ class ExpertStore(ExpertSource):
 
     def holds(self, layer: int, expert: int) -> bool:
         return layer in self.layers and self.model.cfg.is_moe(layer) and expert in self.experts
+
+    @property
+    def activation(self) -> Activation:
+        return self.model.cfg.spec.expert_act
+
+    def biases(self, layer: int, expert: int) -> Biases | None:
+        if not self.holds(layer, expert):
+            raise SliceError(f"expert {expert} of layer {layer} is not hosted here")
+        return self.model.expert_biases(layer, expert)
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.holds(layer, expert):

@@ -69,7 +69,7 @@ _QWEN2_RE = (
 _LLAMA3_RE = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# GPT-4o's regex (minimax-m2), as llama.cpp rewrites it: letter runs split at case changes via lookaheads.
+# GPT-4o's regex (gpt-4o for gpt-oss, minimax-m2), as llama.cpp rewrites it: letter runs split at case changes via lookaheads.
 _UPPERISH = r"((?=[\p{L}])([^a-z]))"
 _LOWERISH = r"((?=[\p{L}])([^A-Z]))"
 _GPT4O_RE = (
@@ -108,6 +108,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "olmo": _GPT2,
     "glm4": _GLM4,
     "minimax-m2": _GPT4O,
+    "gpt-4o": _GPT4O,  # gpt-oss
 }
 SUPPORTED_MODELS = ("gpt2", "llama")
 

@@ -12,8 +12,8 @@ from experts.random_model import random_config, write_random_model
 from p2p.identity import Identity
 
 ARCHS = ("qwen2moe", "qwen3moe", "llama")
-# Checked against llama.cpp in test_reference; not yet through every swarm test (dense layers, see issue 12).
-NEW_ARCHS = ("olmoe", "glm4moe", "minimax-m2")
+# Archs of issue 12: checked against llama.cpp in test_reference and through a real swarm in test_swarm_archs.
+NEW_ARCHS = ("olmoe", "glm4moe", "minimax-m2", "gpt-oss")
 Q = gguf.GGMLQuantizationType
 
 

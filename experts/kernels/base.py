@@ -17,13 +17,14 @@ from typing import ClassVar, Protocol, runtime_checkable
 import gguf
 import numpy as np
 
+from ..arch import Activation
 from .identity import KernelIdentity
 
 Q = gguf.GGMLQuantizationType
 
 # Every type gguf-py can dequantize that the kernels here are tested with.
 QTYPES: tuple[gguf.GGMLQuantizationType, ...] = (
-    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4,
 )
 
 
@@ -44,6 +45,15 @@ class QuantWeight:
         return gguf.quant_shape_to_byte_shape((self.shape[-1],), self.qtype)[0]
 
 
+@dataclass(frozen=True)
+class ExpertBias:
+    """float32 per-expert biases of a stack, indexed like its weights: gate, up (n_expert, ff), down (n_expert, d)."""
+
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+
+
 @runtime_checkable
 class Kernel(Protocol):
     """What the engine needs from a compute kernel."""
@@ -57,8 +67,10 @@ class Kernel(Protocol):
         """x (m, k) float32 times the packed weight of numpy *shape* (n, k), transposed: (m, n) float32."""
         ...
 
-    def expert_ffn(self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> np.ndarray:
-        """SwiGLU FFN of expert ``experts[i]`` on row ``x[i]`` for every row: (m, d) float32.
+    def expert_ffn(
+        self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Activation = Activation.SILU, bias: ExpertBias | None = None
+    ) -> np.ndarray:
+        """Gated FFN (*act*, + *bias* after each projection) of expert ``experts[i]`` on row ``x[i]`` for every row: (m, d) float32.
 
         gate/up are stacks (n_expert, ff, d), down (n_expert, d, ff); a row's result is the same
         whichever other rows and experts share the call.

@@ -37,7 +37,9 @@ import ggml  # noqa: E402
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .base import QTYPES, QuantWeight
+from ..arch import Activation
+from ..moe import OAI_ALPHA, OAI_LIMIT
+from .base import QTYPES, ExpertBias, QuantWeight
 from .identity import KernelIdentity
 from .reference import ReferenceKernel
 
@@ -49,7 +51,7 @@ NATIVE: frozenset[gguf.GGMLQuantizationType] = frozenset(QTYPES)
 # The other types gguf-py 0.19 dequantizes; ggml has CPU kernels for them too, but they are
 # not generated and tested here yet, so they run on the reference until they are.
 FALLBACK: tuple[str, ...] = (
-    "IQ1_M", "IQ1_S", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ3_S", "IQ3_XXS", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "TQ1_0", "TQ2_0",
+    "IQ1_M", "IQ1_S", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ3_S", "IQ3_XXS", "IQ4_NL", "IQ4_XS", "NVFP4", "TQ1_0", "TQ2_0",
 )
 
 _CPU_FEATURES = ("avx", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx_vnni", "fma", "f16c", "bmi2", "neon", "dotprod", "matmul_int8", "sve")
@@ -151,9 +153,11 @@ class GgmlKernel:
         t.contents.nb[2] = data.strides[0]  # a fused gate_up half is a strided view into the file
         return self._bind(t, data)
 
-    def expert_ffn(self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> np.ndarray:
+    def expert_ffn(
+        self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Activation = Activation.SILU, bias: ExpertBias | None = None
+    ) -> np.ndarray:
         if not {gate.qtype, up.qtype, down.qtype} <= NATIVE:
-            return self._reference.expert_ffn(x, experts, gate, up, down)
+            return self._reference.expert_ffn(x, experts, gate, up, down, act, bias)
         x = np.ascontiguousarray(x, dtype=np.float32)
         ids = np.ascontiguousarray(experts, dtype=np.int32)
         m, d = x.shape
@@ -163,19 +167,37 @@ class GgmlKernel:
             return out
         if ids.shape != (m,) or ids.min() < 0 or ids.max() >= gate.shape[0]:
             raise ValueError(f"experts must be {m} indices in 0..{gate.shape[0] - 1}")
-        g = np.empty((m, ff), dtype=np.float32)
-        u = np.empty((m, ff), dtype=np.float32)
-        a = np.empty((m, ff), dtype=np.float32)
-        ctx = self._context(12)
+        keep = []  # every buffer a tensor points at, alive until compute ends
+
+        def buf(*shape: int) -> np.ndarray:
+            keep.append(np.empty(shape, dtype=np.float32))
+            return keep[-1]
+
+        ctx = self._context(20)
         try:
             tg, tu, td = self._stack(ctx, gate), self._stack(ctx, up), self._stack(ctx, down)
             tx = self._bind(ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, d, 1, m), x)
             tid = self._bind(ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, 1, m), ids)
-            yg = self._bind(ggml.ggml_mul_mat_id(ctx, tg, tx, tid), g)
-            yu = self._bind(ggml.ggml_mul_mat_id(ctx, tu, tx, tid), u)
-            ya = self._bind(ggml.ggml_swiglu_split(ctx, yg, yu), a)
-            y = self._bind(ggml.ggml_mul_mat_id(ctx, td, ya, tid), out)
+
+            def project(w, inp, b: np.ndarray | None, into: np.ndarray):
+                """The stack's matmul of each row by its expert, + that expert's bias row (add_id: element-wise)."""
+                t = self._bind(ggml.ggml_mul_mat_id(ctx, w, inp, tid), into if b is None else buf(*into.shape))
+                if b is None:
+                    return t
+                keep.append(b := np.ascontiguousarray(b, dtype=np.float32))
+                tb = self._bind(ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, b.shape[1], b.shape[0]), b)
+                return self._bind(ggml.ggml_add_id(ctx, t, tb, tid), into)
+
+            yg = project(tg, tx, bias and bias.gate, buf(m, ff))
+            yu = project(tu, tx, bias and bias.up, buf(m, ff))
+            if act is Activation.SILU:
+                ya = ggml.ggml_swiglu_split(ctx, yg, yu)
+            else:  # ggml's own SwiGLU-OAI, the op llama.cpp's gpt-oss graph runs
+                ya = ggml.ggml_swiglu_oai(ctx, yg, yu, float(OAI_ALPHA), float(OAI_LIMIT))
+            ya = self._bind(ya, buf(m, ff))
+            y = project(td, ya, bias and bias.down, out)
             self._compute(ctx, y)
         finally:
             ggml.ggml_free(ctx)
         return out
+

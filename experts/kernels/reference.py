@@ -13,9 +13,10 @@ from importlib.metadata import version
 import gguf
 import numpy as np
 
+from ..arch import Activation
 from ..gguf_model import dequantize_bytes
 from ..moe import expert_ffn, tiled_matmul
-from .base import QuantWeight
+from .base import ExpertBias, QuantWeight
 from .identity import KernelIdentity
 
 
@@ -36,12 +37,15 @@ class ReferenceKernel:
         w = dequantize_bytes(weight, qtype, tuple(shape))
         return tiled_matmul(np.ascontiguousarray(x, dtype=np.float32), w.T)
 
-    def expert_ffn(self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> np.ndarray:
+    def expert_ffn(
+        self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Activation = Activation.SILU, bias: ExpertBias | None = None
+    ) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         experts = np.asarray(experts)
         out = np.empty((x.shape[0], down.shape[1]), dtype=np.float32)
         for e in np.unique(experts):
             rows = np.nonzero(experts == e)[0]
             e = int(e)
-            out[rows] = expert_ffn(x[rows], _expert_matrix(gate, e), _expert_matrix(up, e), _expert_matrix(down, e))
+            b = None if bias is None else (bias.gate[e], bias.up[e], bias.down[e])
+            out[rows] = expert_ffn(x[rows], _expert_matrix(gate, e), _expert_matrix(up, e), _expert_matrix(down, e), act, b)
         return out

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterable
 import gguf
 import numpy as np
 
+from ..arch import Activation
 from ..errors import KernelError
-from .base import QTYPES, Kernel, QuantWeight
+from .base import QTYPES, ExpertBias, Kernel, QuantWeight
 from .samples import random_expert_stack, random_weight
 
 MAX_ROWS = 17  # covers the 8-row tiles and SIMD widths of every kernel we know, plus a ragged remainder
@@ -54,7 +55,7 @@ def self_test(kernel: Kernel, qtypes: Iterable[gguf.GGMLQuantizationType] = QTYP
     """Raise ``KernelError`` unless *kernel* is batch invariant for every one of *qtypes* (random inputs)."""
     rng = np.random.default_rng(seed)
     d, n, ff, n_expert = 256, 48, 256, 4
-    for qtype in qtypes:
+    for n_type, qtype in enumerate(qtypes):
         # Rows of different magnitudes, so mixed batches mix activation scales (what quantized activations see).
         x = rng.standard_normal((MAX_ROWS, d)).astype(np.float32)
         x *= rng.uniform(0.1, 10.0, size=(MAX_ROWS, 1)).astype(np.float32)
@@ -64,10 +65,14 @@ def self_test(kernel: Kernel, qtypes: Iterable[gguf.GGMLQuantizationType] = QTYP
         up = QuantWeight(random_expert_stack(qtype, n_expert, ff, d, rng), qtype, (n_expert, ff, d))
         down = QuantWeight(random_expert_stack(qtype, n_expert, d, ff, rng), qtype, (n_expert, d, ff))
         experts = rng.integers(0, n_expert, size=MAX_ROWS).astype(np.int32)
-        _check(
-            kernel,
-            f"expert FFN {qtype.name} ({n_expert} experts, {ff}x{d})",
-            lambda i: kernel.expert_ffn(x[i], experts[i], gate, up, down),
-            x,
-            rng,
-        )
+        bias = ExpertBias(*(rng.standard_normal((n_expert, n)).astype(np.float32) for n in (ff, ff, d)))
+        # gpt-oss's experts add element-wise ops (SwiGLU-OAI, add_id of the biases) after the same matmuls: once is enough.
+        variants = ((Activation.SILU, None), (Activation.SWIGLU_OAI, bias)) if n_type == 0 else ((Activation.SILU, None),)
+        for act, b in variants:
+            _check(
+                kernel,
+                f"expert FFN {qtype.name} {act.value}{' + biases' if b else ''} ({n_expert} experts, {ff}x{d})",
+                lambda i, act=act, b=b: kernel.expert_ffn(x[i], experts[i], gate, up, down, act, b),
+                x,
+                rng,
+            )

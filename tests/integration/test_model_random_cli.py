@@ -29,3 +29,24 @@ def test_glm4moe_random_model_and_inspect_show_its_dense_layer(tmp_path):
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
     assert info["moe_layers"] == [1, 2] and info["config"]["n_nextn"] == 1 and info["load"]["float_bytes"] == 2 * 8 * 3 * 32 * 64 * 4 and info["load"]["mode"] == "packed"
+
+
+def test_gpt_oss_mxfp4_random_model_keeps_biases_and_router_f32(tmp_path):
+    """--arch gpt-oss --qtype MXFP4: the expert and attention matrices are MXFP4, the biases, sinks and router F32;
+    inspect counts the expert biases in the hosted bytes."""
+    import json
+
+    import gguf
+
+    out = tmp_path / "oss.gguf"
+    p = subprocess.run([sys.executable, "-m", "node", "model", "random", "--arch", "gpt-oss", "--qtype", "MXFP4", "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    m = GGUFModel(out)
+    Q = gguf.GGMLQuantizationType
+    assert m.qtype("blk.0.ffn_up_exps.weight") is m.qtype("blk.0.attn_q.weight") is Q.MXFP4
+    assert {m.qtype(n) for n in ("blk.0.ffn_up_exps.bias", "blk.0.attn_sinks.weight", "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_inp.bias")} == {Q.F32}
+    p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out), "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    load = json.loads(p.stdout)["load"]
+    weights = sum(m.tensors[f"blk.{i}.{k}_exps.weight"].n_bytes for i in range(2) for k in ("ffn_gate", "ffn_up", "ffn_down"))
+    assert load["packed_bytes"] == weights + 2 * 8 * (32 + 32 + 64) * 4

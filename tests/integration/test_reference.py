@@ -1,7 +1,7 @@
 """Our forward, through each kernel, against llama.cpp's own logits on the same GGUF files (F32 KV cache).
 
 F32 weights: cosine >= 0.99999 and the same argmax everywhere, on the reference and the ggml kernels. Quantized
-weights (Q8_0, Q4_K) through the ggml kernel: the quantized gate, cosine >= 0.999 with near ties excluded and
+weights (Q8_0, Q4_K; MXFP4 for gpt-oss) through the ggml kernel: the quantized gate, cosine >= 0.999 with near ties excluded and
 counted. Only ggml is held to it: like llama.cpp it quantizes the activations inside those matmuls, while the
 reference kernel multiplies the dequantized weights in float32, which flips router choices on random models
 (measured: Q8_0 min cosine 0.998 for qwen3moe, 0.964 for glm4moe).
@@ -9,16 +9,21 @@ reference kernel multiplies the dequantized weights in float32, which flips rout
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
 
+from experts import moe
+from experts.arch import Gating
 from experts.codecs import Codec
 from experts.forward import Backbone, KVCache, local_moe
 from experts.gguf_model import GGUFModel
 from experts.hosting import open_experts
 from experts.kernels import make_kernel
 from experts.moe import ungrouped_moe
+from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from experts.verify import DEFAULT_PROMPT, MIN_COSINE, compare, run_gate
 
@@ -73,6 +78,48 @@ def test_quantized_model_passes_the_gate_against_llamacpp(model_dir, arch, qtype
     assert c.positions >= 32
     if qtype is Q.Q8_0:  # random Q4_K models' logits are nearly flat: every position is a near tie, cosine decides
         assert c.positions - c.near_ties_excluded >= 32, c  # the argmax check covers >= 32 clear positions
+    assert run_gate(model, Codec.F32, kernel=make_kernel("ggml", 1))["remote_vs_local"]["bit_identical"]
+
+
+GPT_OSS_ABLATIONS = {
+    "yarn": lambda bb, mp: setattr(bb, "yarn", None),
+    "sinks": lambda bb, mp: setattr(bb, "layers", [dataclasses.replace(L, sinks=None) for L in bb.layers]),
+    "sliding window": lambda bb, mp: setattr(bb, "cfg", dataclasses.replace(bb.cfg, n_swa=0)),
+    "SWA RoPE base": lambda bb, mp: setattr(bb, "cfg", dataclasses.replace(bb.cfg, rope_theta_swa=0.0)),
+    "output bias": lambda bb, mp: setattr(bb, "layers", [dataclasses.replace(L, bo=None) for L in bb.layers]),
+    "router bias": lambda bb, mp: setattr(bb, "layers", [dataclasses.replace(L, router_bias=None) for L in bb.layers]),
+    "softmax over the selected": lambda bb, mp: setattr(bb, "router_params", dataclasses.replace(bb.router_params, gating=Gating.SOFTMAX)),
+    "SwiGLU-OAI clamps": lambda bb, mp: mp.setattr(moe, "swiglu_oai", lambda g, u: g / (1 + np.exp(-1.702 * g)) * (u + 1)),
+    "expert biases": lambda bb, mp: mp.setattr(ExpertStore, "biases", lambda self, layer, expert: None),
+}
+
+
+@pytest.mark.parametrize("feature", list(GPT_OSS_ABLATIONS))
+def test_every_gpt_oss_feature_of_the_random_model_matters(model_dir, monkeypatch, feature):
+    """The F32 gate would catch each gpt-oss feature done wrong: leaving any one out drops below 0.9999 vs llama.cpp."""
+    pytest.importorskip("llama_cpp")
+    from experts.reference import llamacpp_logits
+
+    path = make_model(model_dir, "gpt-oss", **SHAPE)
+    bb, hook = engine(GGUFModel(path), "reference")
+    GPT_OSS_ABLATIONS[feature](bb, monkeypatch)
+    c = compare(bb.forward(TOKENS, KVCache(), hook), llamacpp_logits(path, TOKENS))
+    assert c.min_cosine < 0.9999, c
+
+
+def test_mxfp4_gpt_oss_passes_the_quantized_gate_against_llamacpp(model_dir):
+    """gpt-oss ships MXFP4 experts: through the ggml kernel (which, like llama.cpp, quantizes the activations to Q8_0
+    inside MXFP4 matmuls) a random MXFP4 model passes the quantized gate, and `verify --wire f32` is bit-identical."""
+    pytest.importorskip("llama_cpp")
+    from experts.reference import llamacpp_logits
+
+    model = GGUFModel(make_model(model_dir, "gpt-oss", Q.MXFP4, **SHAPE))
+    assert model.qtype("blk.0.ffn_down_exps.weight") is Q.MXFP4 and model.qtype("blk.0.ffn_down_exps.bias") is Q.F32
+    tokens = Tokenizer.from_spec(model.tokenizer_spec).encode(DEFAULT_PROMPT)
+    bb, hook = engine(model, "ggml")
+    c = compare(bb.forward(tokens, KVCache(), hook), llamacpp_logits(model.path, tokens))
+    assert c.min_cosine >= MIN_COSINE and c.argmax_agree == 1.0, c
+    assert c.positions - c.near_ties_excluded >= 32, c
     assert run_gate(model, Codec.F32, kernel=make_kernel("ggml", 1))["remote_vs_local"]["bit_identical"]
 
 

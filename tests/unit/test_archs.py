@@ -1,16 +1,21 @@
-"""olmoe / glm4moe / minimax-m2 files: what the reader makes of them, their dense layers in slices, clear errors."""
+"""olmoe / glm4moe / minimax-m2 / gpt-oss files: what the reader makes of them, their dense layers in slices, clear errors."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import gguf
 import numpy as np
 import pytest
 
+from experts.arch import ARCHS, Gating
 from experts.errors import ModelFormatError, SliceError
 from experts.gguf_model import ExpertRange, GGUFModel
-from experts.hosting import float_bytes, packed_bytes
+from experts.hosting import float_bytes, open_experts, packed_bytes
+from experts.kernels import make_kernel
 from experts.model_writer import write_model
 from experts.moe import partial_sum
+from experts.packed_experts import PackedExperts
 from experts.random_model import byte_level_tokenizer, random_config, random_tensors
 from experts.slices import ExpertStore, check_slice, write_slice
 
@@ -34,7 +39,8 @@ def test_new_archs_config_lines_name_only_what_they_use(model_dir, arch):
     """Later config fields enter the config line (and so the digest) only when they are not at their default."""
     line = GGUFModel(make_model(model_dir, arch)).manifest[0]
     assert ("n_dense_lead" in line) == (arch == "glm4moe")
-    assert ("n_rot" in line) == (arch != "olmoe")
+    assert ("n_rot" in line) == (arch not in ("olmoe", "gpt-oss"))  # gpt-oss rotates the whole head
+    assert ("yarn_factor" in line) == ("n_swa" in line) == (arch == "gpt-oss")
 
 
 def test_missing_required_keys_and_tensors_are_named(tmp_path, monkeypatch):
@@ -108,3 +114,110 @@ def test_unknown_tensors_are_refused_but_optional_mtp_ones_load(tmp_path):
     p = tmp_path / "mtp.gguf"
     write_model(p, cfg, {**tensors, f"blk.{cfg.n_layer}.nextn.shared_head_norm.weight": np.ones(cfg.n_embd, dtype=np.float32)}, byte_level_tokenizer())
     assert GGUFModel(p).has(f"blk.{cfg.n_layer}.nextn.shared_head_norm.weight")
+
+
+def test_gpt_oss_reads_its_window_yarn_router_and_biases(model_dir):
+    """Even layers slide over 4 positions with their own RoPE base; YaRN factor 32 over 64; router and experts carry biases."""
+    m = GGUFModel(make_model(model_dir, "gpt-oss", n_layer=3))
+    c = m.cfg
+    assert (c.n_swa, c.swa_period, c.yarn_factor, c.yarn_orig_ctx) == (4, 2, 32.0, 64)
+    assert [c.is_swa(i) for i in range(3)] == [True, False, True]
+    assert [c.rope_base(i) for i in range(3)] == [2000.0, 10000.0, 2000.0]
+    assert c.router.gating is Gating.SOFTMAX_WEIGHT and not c.router.norm and c.router.scale == 0.0
+    for name, shape in {"blk.1.attn_sinks.weight": (4,), "blk.1.attn_output.bias": (64,), "blk.1.ffn_gate_inp.bias": (8,),
+                        "blk.1.ffn_gate_exps.bias": (8, 32), "blk.1.ffn_up_exps.bias": (8, 32), "blk.1.ffn_down_exps.bias": (8, 64)}.items():
+        assert m.shape(name) == shape and m.qtype(name) is gguf.GGMLQuantizationType.F32, name
+    assert len(m.leaves["blk.1.ffn_down_exps.bias"]) == 8  # biases are hashed expert by expert, like the weights
+    assert m.expert_biases(1, 5)[2].tobytes() == m.dense("blk.1.ffn_down_exps.bias")[5].tobytes()
+
+
+def test_gpt_oss_window_pattern_comes_from_the_file_and_the_window_is_required(tmp_path, monkeypatch):
+    """A period of 3 makes layers 0, 1 SWA and 2 full (llama.cpp's set_swa_pattern); no sliding_window: one clear line."""
+    cfg = dataclasses.replace(random_config("gpt-oss", n_layer=3), swa_period=3)
+    p = tmp_path / "p3.gguf"
+    write_model(p, cfg, random_tensors(cfg), byte_level_tokenizer())
+    assert [GGUFModel(p).cfg.is_swa(i) for i in range(3)] == [True, True, False]
+    monkeypatch.setattr(gguf.GGUFWriter, "add_sliding_window", lambda self, value: None)
+    p = tmp_path / "nowindow.gguf"
+    write_model(p, cfg, random_tensors(cfg), byte_level_tokenizer())
+    with pytest.raises(ModelFormatError, match=r"gpt-oss.attention.sliding_window' is missing") as err:
+        GGUFModel(p)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("tensor", ["blk.0.attn_sinks.weight", "blk.1.ffn_up_exps.bias", "blk.0.attn_output.bias"])
+def test_gpt_oss_without_its_required_tensors_is_refused(tmp_path, tensor):
+    """Sinks, expert biases and the output bias are required (llama.cpp refuses such a file too): named, one line."""
+    cfg = random_config("gpt-oss")
+    p = tmp_path / "missing.gguf"
+    write_model(p, cfg, {k: v for k, v in random_tensors(cfg).items() if k != tensor}, byte_level_tokenizer())
+    with pytest.raises(ModelFormatError, match=f"tensor {tensor} is missing"):
+        GGUFModel(p)
+
+
+def _forge(path, tensor: str, expert: int) -> None:
+    """Flip one float of *expert*'s row of *tensor* inside the slice file, as a dishonest host would."""
+    m = GGUFModel(path)
+    t = m.tensors[tensor]
+    per = t.n_bytes // m.shape(tensor)[0]
+    offset = t.data_offset + (expert - m.experts.start) * per
+    del m
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        value = np.frombuffer(f.read(4), dtype=np.float32)[0]
+        f.seek(offset)
+        f.write(np.float32(value + 1.0).tobytes())
+
+
+@pytest.mark.parametrize("kernel_name", ["reference", "ggml"])
+def test_gpt_oss_expert_biases_travel_in_slices_and_reach_the_compute(model_dir, tmp_path, kernel_name):
+    """A slice carries the expert biases, proves them expert by expert, and its sums equal the full file's; the
+    sums differ without the biases, so they are used."""
+    full = GGUFModel(make_model(model_dir, "gpt-oss", n_layer=3))
+    sl = GGUFModel(write_slice(full, range(1, 3), ExpertRange(2, 6), tmp_path / "s.gguf"))
+    check_slice(sl, full.digest)
+    assert sl.shape("blk.2.ffn_gate_exps.bias") == (4, full.cfg.n_ff_exp) and sl.shape("blk.2.ffn_down_exps.bias") == (4, full.cfg.n_embd)
+    kernel = make_kernel(kernel_name, 1)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, full.cfg.n_embd)).astype(np.float32)
+    ids = rng.integers(2, 6, size=(5, 4)).astype(np.int32)
+    w = rng.random((5, 4)).astype(np.float32)
+    held = np.ones_like(ids, dtype=bool)
+    a, _ = open_experts(full, kernel)[0].partial_sum(2, x, ids, w, held)
+    b, _ = open_experts(sl, kernel)[0].partial_sum(2, x, ids, w, held)
+    assert a.tobytes() == b.tobytes()
+    store = open_experts(sl, kernel)[0]
+    store.biases = lambda layer, expert: None  # type: ignore[method-assign]
+    if isinstance(store, PackedExperts):
+        store.stack_biases = lambda layer: None  # type: ignore[method-assign]
+    c, _ = store.partial_sum(2, x, ids, w, held)
+    assert not np.allclose(a, c, atol=1e-3)
+
+
+@pytest.mark.parametrize("tensor", ["blk.2.ffn_gate_exps.bias", "blk.1.ffn_down_exps.bias", "blk.2.ffn_up_exps.weight"])
+def test_a_forged_expert_bias_in_a_slice_is_refused(model_dir, tmp_path, tensor):
+    """One changed float in one expert's bias row (or weight) fails the slice's proof, naming the expert and tensor."""
+    full = GGUFModel(make_model(model_dir, "gpt-oss", n_layer=3))
+    path = write_slice(full, range(1, 3), ExpertRange(2, 6), tmp_path / "s.gguf")
+    _forge(path, tensor, 4)
+    with pytest.raises(SliceError, match=f"expert 4 of {tensor} does not match"):
+        check_slice(GGUFModel(path), full.digest)
+
+
+def test_a_node_without_gpt_oss_refuses_its_slice_with_one_line(model_dir, tmp_path, monkeypatch):
+    """A worker whose arch table has no gpt-oss row (an older release) refuses the file naming the arch, computing nothing."""
+    full = GGUFModel(make_model(model_dir, "gpt-oss", n_layer=3))
+    path = write_slice(full, range(1, 3), ExpertRange(0, 4), tmp_path / "s.gguf")
+    monkeypatch.delitem(ARCHS, "gpt-oss")
+    with pytest.raises(ModelFormatError, match=r"unsupported architecture 'gpt-oss' \(general.architecture\); supported: ") as err:
+        GGUFModel(path)
+    assert "\n" not in str(err.value)
+
+
+def test_rope_scaling_other_than_yarn_is_refused(tmp_path):
+    """llama.cpp would scale RoPE linearly; we do not compute that, so the file is refused naming the key and the type."""
+    cfg = random_config("qwen3moe")
+    p = tmp_path / "linear.gguf"
+    write_model(p, cfg, random_tensors(cfg), byte_level_tokenizer(), extra_kv={"qwen3moe.rope.scaling.type": "linear"})
+    with pytest.raises(ModelFormatError, match=r"qwen3moe.rope.scaling.type is 'linear'; supported: none, yarn"):
+        GGUFModel(p)

@@ -9,10 +9,11 @@ import gguf
 import numpy as np
 import pytest
 
+from experts.arch import Activation
 from experts.bench_kernels import bench_kernels
 from experts.errors import KernelError
 from experts.gguf_model import GGUFModel, dequantize_bytes
-from experts.kernels import QTYPES, GgmlKernel, Kernel, KernelIdentity, QuantWeight, ReferenceKernel, self_test
+from experts.kernels import QTYPES, ExpertBias, GgmlKernel, Kernel, KernelIdentity, QuantWeight, ReferenceKernel, self_test
 from experts.kernels.ggml_kernel import FALLBACK
 from experts.kernels.samples import random_expert_stack, random_weight
 from experts.moe import expert_ffn, tiled_matmul
@@ -96,6 +97,44 @@ def test_expert_ffn_batch_invariant(kernel, qtype):
     gate, up, down = stacks(qtype)
     experts = np.random.default_rng(3).integers(0, E, size=17).astype(np.int32)
     assert_invariant(lambda x, ex: kernel.expert_ffn(x, ex, gate, up, down), rows(17, 2), experts)
+
+
+def oai_biases(seed: int = 0) -> ExpertBias:
+    """Biases wide enough that SwiGLU-OAI's clamps at +-7 bite on some rows (as the random gpt-oss models' do)."""
+    rng = np.random.default_rng(seed)
+    return ExpertBias(*(s * rng.standard_normal((E, n)).astype(np.float32) for s, n in ((3.0, FF), (3.0, FF), (1.0, D))))
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.MXFP4], ids=lambda q: q.name)
+def test_swiglu_oai_expert_ffn_with_biases_batch_invariant(kernel, qtype):
+    """gpt-oss's experts (SwiGLU-OAI, per-expert biases): a row's bits do not depend on its batch either."""
+    gate, up, down = stacks(qtype)
+    experts = np.random.default_rng(3).integers(0, E, size=17).astype(np.int32)
+    bias = oai_biases()
+    assert_invariant(lambda x, ex: kernel.expert_ffn(x, ex, gate, up, down, Activation.SWIGLU_OAI, bias), rows(17, 2), experts)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.MXFP4], ids=lambda q: q.name)
+def test_swiglu_oai_with_biases_ggml_close_to_reference_and_reference_is_the_formula(ggml_kernel, qtype):
+    """ggml's swiglu_oai + add_id agree with the numpy reference, whose bits are moe.expert_ffn with the biases;
+    the clamps bite (some gate values exceed 7) and the biases matter."""
+    gate, up, down = stacks(qtype)
+    x = rows(17, 7)
+    ex = np.random.default_rng(8).integers(0, E, size=17).astype(np.int32)
+    bias = oai_biases()
+    ref = ReferenceKernel().expert_ffn(x, ex, gate, up, down, Activation.SWIGLU_OAI, bias)
+    got = ggml_kernel.expert_ffn(x, ex, gate, up, down, Activation.SWIGLU_OAI, bias)
+    assert cosines(got, ref).min() >= (0.999999 if qtype == Q.F32 else FFN_COS)
+    gate_max = -np.inf
+    for e in np.unique(ex):
+        sel = ex == e
+        mats = [dequantize_bytes(s.data[e], qtype, s.shape[1:]) for s in (gate, up, down)]
+        b = (bias.gate[e], bias.up[e], bias.down[e])
+        np.testing.assert_array_equal(bits(ref[sel]), bits(expert_ffn(x[sel], *mats, Activation.SWIGLU_OAI, b)))
+        gate_max = max(gate_max, float((tiled_matmul(x[sel], mats[0].T) + b[0]).max()))
+    assert gate_max > 7.0
+    plain = ReferenceKernel().expert_ffn(x, ex, gate, up, down, Activation.SWIGLU_OAI)
+    assert cosines(plain, ref).max() < 0.99
 
 
 def test_ggml_threads_do_not_change_bits(ggml_kernel):
@@ -229,8 +268,8 @@ def test_self_test_refuses_variation_in_one_type_only():
             out = self.inner.matmul(x, weight, qtype, shape)
             return self._vary(out, x) if qtype == Q.Q6_K else out
 
-        def expert_ffn(self, x, experts, gate, up, down):
-            return self.inner.expert_ffn(x, experts, gate, up, down)
+        def expert_ffn(self, x, experts, gate, up, down, act=Activation.SILU, bias=None):
+            return self.inner.expert_ffn(x, experts, gate, up, down, act, bias)
 
     with pytest.raises(KernelError, match="Q6_K"):
         self_test(OneTypeVaries(batch=3), qtypes=(Q.Q8_0, Q.Q6_K))

@@ -112,3 +112,15 @@ def test_even_partition_covers_every_expert_once():
         b = Partition.even(n, g).bounds
         assert b[0][0] == 0 and b[-1][1] == n
         assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
+
+
+def test_softmax_weight_router_selects_on_logits_and_softmaxes_the_selected():
+    """gpt-oss: top-k on the raw logits, weights the softmax over just the k chosen logits (they sum to 1)."""
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((6, 16)).astype(np.float32) * 3
+    ids, w = route(logits, 4, Router(Gating.SOFTMAX_WEIGHT))
+    for t in range(6):
+        assert list(ids[t]) == list(np.argsort(-logits[t])[:4])
+        chosen = np.exp(logits[t, ids[t]] - logits[t, ids[t]].max())
+        np.testing.assert_allclose(w[t], chosen / chosen.sum(), rtol=1e-6)
+    assert (np.diff(w, axis=-1) <= 0).all()  # slot 0 is the largest
