@@ -40,13 +40,14 @@ IPV4_PREFIX, IPV6_PREFIX = 24, 48
 P = TypeVar("P")  # what the store keeps per provider (libp2p's PeerInfo); opaque here
 
 
-def address_group(ip: str, peer: str) -> str:
-    """The network a provider connecting from ``ip`` counts under: its /24 (IPv4) or /48 (IPv6); loopback per peer."""
+def address_group(ip: str, loopback_as: str) -> str:
+    """The network an address counts under: its /24 (IPv4) or /48 (IPv6); a loopback one as ``lo/<loopback_as>``
+    (the provider store passes the peer id, the lookup side the port). A ValueError unless ``ip`` is an IP."""
     addr = ipaddress.ip_address(ip.strip("[]"))
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
     if addr.is_loopback:
-        return f"lo/{peer}"
+        return f"lo/{loopback_as}"
     prefix = IPV4_PREFIX if addr.version == 4 else IPV6_PREFIX
     return str(ipaddress.ip_network(f"{addr}/{prefix}", strict=False))
 

@@ -19,6 +19,7 @@ from experts.kernels import Kernel
 from node.backbone.dispatch import RemoteMoE
 from node.backbone.hot import HotExperts
 from node.ledger.sink import LedgerSink
+from node.status.server import model_shape
 from node.verdicts import require_verified
 from p2p.connector import Connector
 from p2p.dht import LibP2PDiscovery
@@ -26,6 +27,7 @@ from p2p.discovery import CachedDiscovery
 from p2p.helpers import NodeReachability
 from p2p.identity import Identity
 from p2p.quic import Endpoint
+from p2p.vetting import VettedDiscovery, ping_probe
 from relay.client import RelaySettings, attach
 
 log = structlog.get_logger("node.backbone.session")
@@ -43,7 +45,7 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
     async with contextlib.AsyncExitStack() as stack:
         endpoint = await Endpoint.bind(identity, listen[0], listen[1], handler=None, max_datagram_size=max_datagram)
         stack.push_async_callback(endpoint.close)
-        dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
+        dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True, models=[model_shape(model)])
         stack.push_async_callback(dht.close)
         if ledger_path:
             ledger = LedgerSink(ledger_path, "backbone", identity)
@@ -59,7 +61,10 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         connector = Connector(endpoint, relay_route=lambda url, relay_peer: attach(endpoint, relay.client(identity, url, expected_relay=relay_peer)), nat=reach.nat)
         stack.push_async_callback(connector.close)
         cfg = model.cfg
-        moe = RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0], loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price)
+        # Only hosts that answered a ping or served us (p2p.vetting): a DHT answer may be full of sybils' records.
+        discovery = VettedDiscovery(CachedDiscovery(dht, ttl=30.0), ping_probe(connector))
+        moe = RemoteMoE(connector, discovery, model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0], loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price)
+        discovery.served = lambda peer: health.dispatches if (health := moe.router.health.get(peer)) else 0
         if moe.heads:  # the last head swap needs the connector: it runs before the stack closes that
             stack.push_async_callback(moe.heads.close)
         yield moe
