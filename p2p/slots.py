@@ -32,7 +32,7 @@ from enum import Enum
 from typing import Any, Generic, TypeVar
 
 CAPACITY = 20  # Kademlia k: libp2p's per-key provider limit, and what a GET_PROVIDERS answer carries
-PER_GROUP = 2  # slots of one key a /24 (/48) may hold: as discv5 allows per /24 in a routing-table bucket
+PER_GROUP = 4  # slots of one key a /24 (/48) may hold: a fifth of k; a NAT'd office or a testbed WAN has a few hosts
 PER_PEER = 512  # keys one peer provides here: an honest host needs 2 per hosted layer (this epoch's and the next)
 PER_GROUP_TOTAL = 4 * PER_PEER
 IPV4_PREFIX, IPV6_PREFIX = 24, 48

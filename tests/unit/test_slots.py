@@ -33,15 +33,23 @@ def test_address_group_is_the_slash24_or_slash48_and_loopback_counts_per_peer(ip
     assert address_group(ip, "peerA") == group
 
 
-def test_eighty_sybils_from_one_network_hold_two_slots_and_a_late_honest_host_gets_in():
-    """80 identities from one /24 fill only per_group slots of the key; an honest host from elsewhere is added after."""
+def test_eighty_sybils_from_one_network_hold_four_slots_and_a_late_honest_host_gets_in():
+    """80 identities from one /24 fill only per_group (4) slots of the key; an honest host from elsewhere is added after."""
     slots: ProviderSlots[str] = ProviderSlots()
     verdicts = [slots.offer(KEY, peer, group, peer, now=float(i)) for i, (peer, group) in enumerate(sybil_net(80))]
-    assert [v.admission for v in verdicts[:2]] == [Admission.ADDED, Admission.ADDED]
-    assert {v.admission for v in verdicts[2:]} == {Admission.GROUP_FULL}
+    assert [v.admission for v in verdicts[:4]] == [Admission.ADDED] * 4
+    assert {v.admission for v in verdicts[4:]} == {Admission.GROUP_FULL}
     honest = slots.offer(KEY, "honest", address_group("198.51.100.9", "honest"), "honest", now=100.0)
     assert honest.admission is Admission.ADDED
-    assert slots.providers(KEY, now=100.0) == ["sybil0", "sybil1", "honest"]
+    assert slots.providers(KEY, now=100.0) == ["sybil0", "sybil1", "sybil2", "sybil3", "honest"]
+
+
+def test_without_the_network_limit_a_key_full_of_sybils_refuses_the_late_honest_host():
+    """The eclipse the limit prevents: one slot per network and 20 sybil networks leave no room for a 21st."""
+    slots: ProviderSlots[str] = ProviderSlots()
+    for i in range(20):
+        slots.offer(KEY, f"sybil{i}", f"net{i}", f"sybil{i}", now=float(i))
+    assert slots.offer(KEY, "honest", "honest-net", "honest", now=100.0).admission is Admission.KEY_FULL
 
 
 def test_a_full_key_gives_a_crowded_networks_stalest_slot_to_a_new_network():
