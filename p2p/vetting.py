@@ -183,6 +183,11 @@ class VettedDiscovery:
             selection = self.vetting.select(records, self.served, self._clock())
         return selection.accepted
 
+    async def announced(self, model_digest: str, layer: int) -> list[HostRecord]:
+        """Every live host the DHT lists for (model, layer), vetted or not, from the network: what a caller waiting
+        for workers to announce counts (a host that cannot be reached is still computed around, not waited on)."""
+        return await self._inner.lookup(model_digest, layer, fresh=True)
+
     async def close(self) -> None:
         await self._inner.close()
 

@@ -83,12 +83,15 @@ def _hot_experts(model: GGUFModel, n: int, memory: int | None) -> HotExperts | N
 
 
 async def wait_for_hosts(moe: RemoteMoE, layers: Sequence[int], n_hosts: int, deadline_s: float) -> None:
-    """Poll the DHT until every layer lists *n_hosts* hosts (workers announce asynchronously)."""
+    """Poll the DHT until every layer lists *n_hosts* hosts (workers announce asynchronously).
+
+    Announced hosts count, vetted or not: one the backbone cannot reach is computed around (as before the vetting),
+    not waited on; which hosts get dispatches is decided by the routes ``refresh`` builds from vetted lookups."""
     deadline = time.monotonic() + deadline_s
     while True:
         counts = []
         for layer in layers:
-            counts.append(len(await moe.discovery.lookup(moe.model_digest, layer, fresh=True)))  # the DHT, not the cache
+            counts.append(len(await moe.discovery.announced(moe.model_digest, layer)))  # the DHT, unvetted: refresh() vets
         if min(counts) >= n_hosts:
             await moe.refresh(layers)
             return
