@@ -18,8 +18,8 @@ from typing import Any
 import structlog
 import trio
 
-from p2p.records import HostRecord, ModelShape, RecordError, expires_at_of, select_best, validate
-from p2p.slots import Admission, ProviderSlots, address_group
+from p2p.records import HostRecord, ModelShape, RecordError, expires_at_of, select_best, signer_of, validate
+from p2p.slots import Admission, OwnerQuota, ProviderSlots, address_group
 
 log = structlog.get_logger("p2p.dht")
 
@@ -98,15 +98,32 @@ def _import_libp2p() -> SimpleNamespace:
             return select_best(key, values, self._clock())
 
     class ExpiringValueStore(ValueStore):
-        """A value store that forgets each record at its own expires_at, not libp2p's fixed 24 h."""
+        """A value store that forgets each record at its own expires_at, not libp2p's fixed 24 h, and holds at most
+        `p2p.slots.OwnerQuota` values per signer."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.quota = OwnerQuota()
 
         def put(self, key: bytes, value: bytes, validity: float = 0.0) -> None:
-            super().put(key, value, validity)
-            self._clamp(key)
+            if self._admit(key, value):
+                super().put(key, value, validity)
+                self._clamp(key)
 
         def put_record(self, key: bytes, record: Any) -> None:
-            super().put_record(key, record)
-            self._clamp(key)
+            if self._admit(key, record.value):
+                super().put_record(key, record)
+                self._clamp(key)
+
+        def _admit(self, key: bytes, value: bytes) -> bool:
+            try:
+                signer = signer_of(value)
+            except RecordError:
+                return True  # not ours to judge here: the validator refuses such values before they get here
+            if self.quota.admit(signer, key, self.store):
+                return True
+            log.info("dht.record_refused", key=key[:60], reason="signer_limit", peer=str(signer))
+            return False
 
         def _clamp(self, key: bytes) -> None:
             stored, validity = self.store[key]

@@ -486,6 +486,13 @@ def expires_at_of(value: bytes) -> int:
     return decode(value)[0].expires_at
 
 
+def signer_of(value: bytes) -> PeerId:
+    """The peer a value of either type names as its signer (structure checked, signature not)."""
+    if bytes(value[: len(HELPER_MAGIC)]) == HELPER_MAGIC:
+        return decode_helper(value)[0].peer_id
+    return decode(value)[0].peer_id
+
+
 def _check_size_and_namespace(key: str, value: bytes) -> None:
     if len(value) > MAX_RECORD_BYTES:
         raise RecordTooLarge(f"record has {len(value)} bytes, the limit is {MAX_RECORD_BYTES}")

@@ -26,7 +26,7 @@ The clock is a parameter (unix seconds); entries live ``ttl`` seconds after thei
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Hashable, Iterator
+from collections.abc import Collection, Hashable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Generic, TypeVar
@@ -160,6 +160,31 @@ class ProviderSlots(Generic[P]):
             del self._keys[key]
         _decrement(self._peer_keys, peer)
         _decrement(self._group_keys, entry.group)
+
+
+@dataclass
+class OwnerQuota:
+    """At most ``per_owner`` value keys per record owner at this node.
+
+    libp2p keeps 50,000 values and evicts the oldest when full, so without a quota one identity signing records for
+    invented models would evict every honest record. The owner is the peer that signed the record (a replica may
+    be put by anyone), so the quota follows the signer, whoever sends it. ``held`` is what the store still holds:
+    keys it expired or evicted stop counting the next time the owner is at its limit.
+    """
+
+    per_owner: int = PER_PEER
+    _keys: dict[Hashable, set[Hashable]] = field(default_factory=dict)
+
+    def admit(self, owner: Hashable, key: Hashable, held: Collection[Hashable]) -> bool:
+        keys = self._keys.setdefault(owner, set())
+        if key in keys:
+            return True
+        if len(keys) >= self.per_owner:
+            keys.intersection_update(k for k in keys if k in held)
+            if len(keys) >= self.per_owner:
+                return False
+        keys.add(key)
+        return True
 
 
 def _decrement(counter: dict[Any, int], name: Hashable) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p.slots import Admission, ProviderSlots, address_group
+from p2p.slots import Admission, OwnerQuota, ProviderSlots, address_group
 
 KEY = b"key"
 
@@ -109,3 +109,18 @@ def test_a_displaced_entry_frees_its_networks_share():
     assert slots.offer(b"k2", "a3", "A", "a3", now=2.0).admission is Admission.PEER_LIMIT
     assert slots.offer(KEY, "b1", "B", "b1", now=3.0).dropped == "a1"
     assert slots.offer(b"k2", "a3", "A", "a3", now=4.0).admission is Admission.ADDED
+
+
+def test_owner_quota_caps_the_values_one_signer_holds_and_counts_only_what_the_store_still_has():
+    """A signer past per_owner value keys is refused a new key (its refresh of a held key is not); once the store
+    dropped some of its keys, it may store new ones again."""
+    quota = OwnerQuota(per_owner=3)
+    held: set[str] = set()
+    for key in ("k0", "k1", "k2"):
+        assert quota.admit("signer", key, held)
+        held.add(key)
+    assert not quota.admit("signer", "k3", held)
+    assert quota.admit("signer", "k1", held)  # a newer record under a key it holds
+    assert quota.admit("other", "k3", held)  # the quota is per signer
+    held.discard("k0")  # expired or evicted by the store
+    assert quota.admit("signer", "k3", held)
