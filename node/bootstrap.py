@@ -22,11 +22,12 @@ async def run_bootstrap_node(identity: Identity, listen: str, bootstrap: Sequenc
 
     With ``http``, it serves its status there; told a *model*, the page maps that model's hosts and ``/readyz``
     stays 503 while a layer lacks them (a supervisor can wait on the bootstrap for a whole swarm). ``on_ready``
-    gets the DHT multiaddrs once they serve (the CLI prints the one to hand out)."""
+    gets the DHT multiaddrs once they serve (the CLI prints the one to hand out). Told a model, it also refuses to
+    store records naming layers or experts that model does not have."""
     host, port = quic_listen or parse_hostport(listen)
     await check_bootstrap(bootstrap, bootstrap_wait)
     status = NodeStatus("bootstrap", str(identity.peer_id), model=model, needs_swarm=model is not None)
-    async with serve_status(http, status), LibP2PDiscovery(identity, listen=listen, bootstrap=bootstrap) as node, serve_helper(identity, node, host, port) as quic:
+    async with serve_status(http, status), LibP2PDiscovery(identity, listen=listen, bootstrap=bootstrap, models=[model] if model else []) as node, serve_helper(identity, node, host, port) as quic:
         status.discovery = node
         status.info = {"addresses": " ".join(node.multiaddrs)}
         status.phase = Phase.SERVING

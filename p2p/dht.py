@@ -67,6 +67,7 @@ from p2p.records import (
     HelperRecord,
     HostedSlice,
     HostRecord,
+    ModelShape,
     RecordError,
     helper_key,
     issue_helper,
@@ -253,8 +254,10 @@ class _Node:
         ttl: float,
         lookup_timeout: float,
         clock: Callable[[], float],
+        models: Sequence[ModelShape],
     ) -> None:
         self.identity, self.listen, self.bootstrap = identity, tcp_multiaddr(listen), list(bootstrap)
+        self.models = {m.digest: m for m in models}  # the models this node loaded: records must fit their shape
         self.client_mode, self.lookup_timeout, self.clock = client_mode, lookup_timeout, clock
         self.announcer = Announcer(identity, ttl=ttl)
         self.ttl = ttl
@@ -290,10 +293,12 @@ class _Node:
         )
         if self.host.get_id().to_base58() != str(self.identity.peer_id):
             raise DiscoveryError("libp2p derived another peer id from our key; identity.seed is not its Ed25519 seed")
-        validator = lib.NamespacedValidator({NAMESPACE: lib.RecordValidator(self.clock)}, strict_validation=True)
+        validator = lib.NamespacedValidator(
+            {NAMESPACE: lib.RecordValidator(self.clock, self.models)}, strict_validation=True
+        )
         mode = lib.DHTMode.CLIENT if self.client_mode else lib.DHTMode.SERVER
         self.dht = lib.ServerOnlyKadDHT(
-            self.host, mode, validator=validator, validator_changed=True, strict_validation=True
+            self.host, mode, validator=validator, validator_changed=True, strict_validation=True, clock=self.clock
         )
         async with self.host.run([listen]):
             try:
@@ -472,7 +477,7 @@ class _Node:
             lambda peer: value_key(peer, model_digest, layer),
             f"model {model_digest[:12]} layer {layer}",
         )
-        hosts = live_hosts(records, model_digest, layer, self.clock())
+        hosts = live_hosts(records, model_digest, layer, self.clock(), self.models.get(model_digest))
         log.debug("dht.lookup", model=model_digest[:12], layer=layer, hosts=len(hosts), ms=_ms_since(started))
         return hosts
 
@@ -609,7 +614,8 @@ class LibP2PDiscovery:
     ``listen`` is ``ip:port`` (port 0 picks one); ``bootstrap`` holds multiaddrs like
     ``/ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...``. ``client_mode`` is for NAT-bound nodes: they query
     and publish but serve nobody (they still listen: libp2p drops provider records without an
-    address). Use ``async with LibP2PDiscovery(...) as d:`` or start()/close().
+    address). ``models``: the shapes of the models this node loaded; it refuses to store or return records
+    naming layers or experts they do not have. Use ``async with LibP2PDiscovery(...) as d:`` or start()/close().
     """
 
     def __init__(
@@ -622,6 +628,7 @@ class LibP2PDiscovery:
         ttl: float = DEFAULT_TTL,
         lookup_timeout: float = 10.0,
         clock: Callable[[], float] = time.time,
+        models: Sequence[ModelShape] = (),
     ) -> None:
         self.peer_id = identity.peer_id
         self._listen = listen
@@ -633,6 +640,7 @@ class LibP2PDiscovery:
             ttl=ttl,
             lookup_timeout=lookup_timeout,
             clock=clock,
+            models=models,
         )
         self._thread = TrioThread(f"dht-{identity.peer_id.short()}")
 

@@ -1,5 +1,6 @@
 """py-libp2p 0.8.1 under :mod:`p2p.dht`: imported lazily, with our record validator, an expiry-clamping record
-store, patched Kademlia routing, and its logger re-attached to the root (see :func:`reattach_libp2p_logger`).
+store, a provider store that no network can monopolise (:mod:`p2p.slots`), patched Kademlia routing, and its logger
+re-attached to the root (see :func:`reattach_libp2p_logger`).
 
 Everything here works around a measured defect listed in :mod:`p2p.dht`'s docstring; keeping it in one module keeps
 the DHT logic free of libp2p's internals and makes the next libp2p upgrade a one-file review.
@@ -11,14 +12,15 @@ import inspect
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import structlog
 import trio
 
-from p2p.records import RecordError, expires_at_of, select_best, validate
+from p2p.records import HostRecord, ModelShape, RecordError, expires_at_of, select_best, signer_of, validate
+from p2p.slots import Admission, OwnerQuota, ProviderSlots, address_group
 
 log = structlog.get_logger("p2p.dht")
 
@@ -56,6 +58,7 @@ def _import_libp2p() -> SimpleNamespace:
     from libp2p.kad_dht.common import PROTOCOL_ID
     from libp2p.kad_dht.kad_dht import ROUTING_TABLE_REFRESH_INTERVAL, DHTMode, KadDHT
     from libp2p.kad_dht.peer_routing import PeerRouting
+    from libp2p.kad_dht.provider_store import PROVIDER_RECORD_EXPIRATION_INTERVAL, ProviderStore
     from libp2p.kad_dht.utils import sort_peer_ids_by_distance
     from libp2p.kad_dht.value_store import ValueStore
     from libp2p.network.config import ConnectionConfig
@@ -75,14 +78,17 @@ def _import_libp2p() -> SimpleNamespace:
     reattach_libp2p_logger()
 
     class RecordValidator(Validator):
-        """The /moeswarm/ namespace's validator: every put and get goes through records.validate."""
+        """The /moeswarm/ namespace's validator: every put and get goes through records.validate, and a host record
+        of a model this node loaded must fit that model's shape (``models``: digest -> shape)."""
 
-        def __init__(self, clock: Callable[[], float]) -> None:
-            self._clock = clock
+        def __init__(self, clock: Callable[[], float], models: Mapping[str, ModelShape]) -> None:
+            self._clock, self._models = clock, models
 
         def validate(self, key: str, value: bytes) -> None:
             try:
-                validate(key, value, self._clock())
+                record = validate(key, value, self._clock())
+                if isinstance(record, HostRecord) and (shape := self._models.get(record.hosted.model_digest)):
+                    shape.check(record)
             except RecordError as exc:
                 log.info("dht.record_rejected", key=key[:60], error=type(exc).__name__, reason=str(exc))
                 raise
@@ -91,15 +97,32 @@ def _import_libp2p() -> SimpleNamespace:
             return select_best(key, values, self._clock())
 
     class ExpiringValueStore(ValueStore):
-        """A value store that forgets each record at its own expires_at, not libp2p's fixed 24 h."""
+        """A value store that forgets each record at its own expires_at, not libp2p's fixed 24 h, and holds at most
+        `p2p.slots.OwnerQuota` values per signer."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.quota = OwnerQuota()
 
         def put(self, key: bytes, value: bytes, validity: float = 0.0) -> None:
-            super().put(key, value, validity)
-            self._clamp(key)
+            if self._admit(key, value):
+                super().put(key, value, validity)
+                self._clamp(key)
 
         def put_record(self, key: bytes, record: Any) -> None:
-            super().put_record(key, record)
-            self._clamp(key)
+            if self._admit(key, record.value):
+                super().put_record(key, record)
+                self._clamp(key)
+
+        def _admit(self, key: bytes, value: bytes) -> bool:
+            try:
+                signer = signer_of(value)
+            except RecordError:
+                return True  # not ours to judge here: the validator refuses such values before they get here
+            if self.quota.admit(signer, key, self.store):
+                return True
+            log.info("dht.record_refused", key=key[:60], reason="signer_limit", peer=str(signer))
+            return False
 
         def _clamp(self, key: bytes) -> None:
             stored, validity = self.store[key]
@@ -108,6 +131,49 @@ def _import_libp2p() -> SimpleNamespace:
             except RecordError:
                 return  # the validator refuses such values before they get here
             self.store[key] = (stored, min(validity, expires_at))
+
+    class FairProviderStore(ProviderStore):
+        """libp2p's provider store with `p2p.slots.ProviderSlots` deciding who holds the slots of a key.
+
+        A provider is filed under the network its connection to us comes from (what it cannot choose), not under
+        the addresses it claims; our own entries (``provide`` adds them locally) count as their own network.
+        """
+
+        def __init__(self, host: Any, clock: Callable[[], float]) -> None:
+            super().__init__(host)
+            self._clock = clock
+            self.slots: ProviderSlots[Any] = ProviderSlots(ttl=PROVIDER_RECORD_EXPIRATION_INTERVAL)
+
+        def add_provider(self, key: bytes, provider: Any) -> None:
+            if not provider or not provider.peer_id:
+                return
+            peer = str(provider.peer_id)
+            verdict = self.slots.offer(key, peer, self._group_of(provider.peer_id), provider, self._clock())
+            if verdict.admission is Admission.DISPLACED:
+                log.info("dht.provider_displaced", key=key.hex()[:16], peer=peer, dropped=str(verdict.dropped))
+            elif not verdict.stored:
+                log.info("dht.provider_refused", key=key.hex()[:16], peer=peer, reason=verdict.admission.value)
+
+        def get_providers(self, key: bytes) -> list[Any]:
+            return self.slots.providers(key, self._clock())
+
+        def cleanup_expired(self) -> None:
+            self.slots.expire(self._clock())
+
+        def get_provided_keys(self, peer_id: Any) -> list[bytes]:
+            return [k for k in self.slots.keys_of(str(peer_id)) if isinstance(k, bytes)]
+
+        def size(self) -> int:
+            return len(self.slots)
+
+        def _group_of(self, peer_id: Any) -> str:
+            if peer_id == self.local_peer_id:
+                return f"self/{peer_id}"
+            for conn in self.host.get_network().connections.get(peer_id, ()):
+                remote = getattr(conn.muxed_conn, "get_remote_address", lambda: None)()  # yamux and mplex have it
+                if remote:
+                    return address_group(remote[0], str(peer_id))
+            return f"unconnected/{peer_id}"  # only ADD_PROVIDER (on a live stream) reaches here; kept distinct
 
     def speaks_kad(host: Any, peer_id: Any) -> bool | None:
         """Whether identify lists KAD for peer_id; None while identify has not answered."""
@@ -136,9 +202,10 @@ def _import_libp2p() -> SimpleNamespace:
         identify has not answered yet is checked again once it has.
         """
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, clock: Callable[[], float], **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.value_store = ExpiringValueStore(host=self.host, local_peer_id=self.local_peer_id)
+            self.provider_store = FairProviderStore(self.host, clock)
             self.peer_routing = ServerOnlyPeerRouting(self.host, self.routing_table)
             self.provider_store.peer_routing = self.peer_routing
             self.spawn: Callable[..., None] | None = None  # set once our nursery runs

@@ -27,6 +27,7 @@ from p2p.records import (
     HelperRecord,
     HostedSlice,
     HostRecord,
+    ModelShape,
     RecordError,
     decode_and_validate,
     issue,
@@ -62,16 +63,26 @@ class Discovery(Protocol):
         """Release the backend. Does not withdraw: call withdraw() first on a graceful shutdown."""
 
 
-def live_hosts(records: Iterable[HostRecord], model_digest: str, layer: int, now: float) -> list[HostRecord]:
+def live_hosts(
+    records: Iterable[HostRecord], model_digest: str, layer: int, now: float, shape: ModelShape | None = None
+) -> list[HostRecord]:
     """The lookup answer from raw validated records: newest per peer first, then tombstones and expired dropped.
 
     The order matters: a peer whose newest record is a tombstone is gone, even if a replica
-    somewhere still holds its older live record.
+    somewhere still holds its older live record. With the model's ``shape`` (a node that loaded it), records
+    naming experts or layers it does not have are refused (and logged), as are records for other models.
     """
     newest: dict[PeerId, HostRecord] = {}
     for record in records:
         if record.hosted.model_digest != model_digest or record.hosted.layer != layer:
+            log.debug("discovery.record_refused", peer=str(record.peer_id), reason="another model or layer")
             continue
+        if shape is not None:
+            try:
+                shape.check(record)
+            except RecordError as exc:
+                log.info("discovery.record_refused", peer=str(record.peer_id), reason=str(exc))
+                continue
         held = newest.get(record.peer_id)
         if held is None or (record.seq, record.expires_at) > (held.seq, held.expires_at):
             newest[record.peer_id] = record
@@ -197,9 +208,16 @@ class InMemoryDiscovery:
     """Discovery over an InMemoryBoard shared by the nodes of a unit test. Records are not refreshed."""
 
     def __init__(
-        self, identity: Identity, board: InMemoryBoard, *, ttl: float = 600.0, clock: Callable[[], float] = time.time
+        self,
+        identity: Identity,
+        board: InMemoryBoard,
+        *,
+        ttl: float = 600.0,
+        clock: Callable[[], float] = time.time,
+        models: Sequence[ModelShape] = (),
     ) -> None:
         self._board = board
+        self._models = {m.digest: m for m in models}
         self._announcer = Announcer(identity, ttl=ttl)
         self._clock = clock
         self._closed = False
@@ -223,7 +241,7 @@ class InMemoryDiscovery:
     async def lookup(self, model_digest: str, layer: int, *, fresh: bool = False) -> list[HostRecord]:
         self._check_open()
         now = self._clock()
-        return live_hosts(self._board.records(now), model_digest, layer, now)
+        return live_hosts(self._board.records(now), model_digest, layer, now, self._models.get(model_digest))
 
     async def close(self) -> None:
         self._closed = True

@@ -89,6 +89,37 @@ class KeyMismatch(RecordError):
     """The DHT key is outside our namespace or names another peer, model or layer than the record."""
 
 
+class OutsideModel(RecordError):
+    """The record names a layer or experts its model does not have, or another model than the one asked for."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a node that loaded a model knows of it: enough to refuse records no honest host could sign.
+
+    Layers ``0 .. n_dense_lead - 1`` have a dense FFN and no experts, so no record may name them.
+    """
+
+    digest: str
+    n_layer: int
+    n_expert: int
+    n_dense_lead: int = 0
+
+    def check(self, record: HostRecord) -> None:
+        """An OutsideModel unless record is for this model and within its MoE layers and experts."""
+        h = record.hosted
+        if h.model_digest != self.digest:
+            raise OutsideModel(f"{record.describe()} names another model than {self.digest[:12]}..")
+        if not self.n_dense_lead <= h.layer < self.n_layer:
+            raise OutsideModel(
+                f"{record.describe()}: the model's MoE layers are {self.n_dense_lead}..{self.n_layer - 1}"
+            )
+        if h.expert_ranges and h.expert_ranges[-1][1] > self.n_expert:
+            raise OutsideModel(
+                f"{record.describe()} offers experts up to {h.expert_ranges[-1][1] - 1}; the model has {self.n_expert}"
+            )
+
+
 @dataclass(frozen=True)
 class RelayAddress:
     """A WebSocket relay through which a NAT-bound worker is reachable, and the relay's own peer id."""
@@ -453,6 +484,13 @@ def expires_at_of(value: bytes) -> int:
     if bytes(value[: len(HELPER_MAGIC)]) == HELPER_MAGIC:
         return decode_helper(value)[0].expires_at
     return decode(value)[0].expires_at
+
+
+def signer_of(value: bytes) -> PeerId:
+    """The peer a value of either type names as its signer (structure checked, signature not)."""
+    if bytes(value[: len(HELPER_MAGIC)]) == HELPER_MAGIC:
+        return decode_helper(value)[0].peer_id
+    return decode(value)[0].peer_id
 
 
 def _check_size_and_namespace(key: str, value: bytes) -> None:

@@ -22,6 +22,7 @@ from node.backbone.hot import HotExperts
 from node.backbone.routing import ROUTE_REFRESH_S
 from node.backbone.spotcheck import DEFAULT_SPOT_CHECK
 from node.ledger.sink import LedgerSink
+from node.status.server import model_shape
 from node.verdicts import require_verified
 from p2p.connector import Connector
 from p2p.dht import LibP2PDiscovery
@@ -29,6 +30,7 @@ from p2p.discovery import CachedDiscovery
 from p2p.helpers import NodeReachability
 from p2p.identity import Identity
 from p2p.quic import Endpoint
+from p2p.vetting import VettedDiscovery, ping_probe
 from relay.client import RelaySettings, attach
 
 log = structlog.get_logger("node.backbone.session")
@@ -54,7 +56,7 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
     async with contextlib.AsyncExitStack() as stack:
         endpoint = await Endpoint.bind(identity, listen[0], listen[1], handler=None, max_datagram_size=max_datagram)
         stack.push_async_callback(endpoint.close)
-        dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True)
+        dht = LibP2PDiscovery(identity, listen=dht_listen, bootstrap=bootstrap, client_mode=True, models=[model_shape(model)])
         stack.push_async_callback(dht.close)
         if ledger_path:
             ledger = LedgerSink(ledger_path, "backbone", identity)
@@ -70,7 +72,10 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         connector = Connector(endpoint, relay_route=lambda url, relay_peer: attach(endpoint, relay.client(identity, url, expected_relay=relay_peer)), nat=reach.nat)
         stack.push_async_callback(connector.close)
         cfg = model.cfg
-        moe = RemoteMoE(connector, CachedDiscovery(dht, ttl=30.0), model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0] if hold_experts else None, loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price, hedge=hedge)
+        # Only hosts that answered a ping or served us (p2p.vetting): a DHT answer may be full of sybils' records.
+        discovery = VettedDiscovery(CachedDiscovery(dht, ttl=30.0), ping_probe(connector))
+        moe = RemoteMoE(connector, discovery, model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0] if hold_experts else None, loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price, hedge=hedge)
+        discovery.served = lambda peer: health.dispatches if (health := moe.router.health.get(peer)) else 0
         stack.push_async_callback(moe.close)  # probes and hedges, and the last ledger-head swap: before the connector closes
         maintaining = asyncio.create_task(moe.maintain(model.moe_layers, route_refresh))
         maintaining.add_done_callback(_report_crash)
@@ -98,12 +103,15 @@ def _hot_experts(model: GGUFModel, n: int, memory: int | None) -> HotExperts | N
 
 
 async def wait_for_hosts(moe: RemoteMoE, layers: Sequence[int], n_hosts: int, deadline_s: float) -> None:
-    """Poll the DHT until every layer lists *n_hosts* hosts (workers announce asynchronously)."""
+    """Poll the DHT until every layer lists *n_hosts* hosts (workers announce asynchronously).
+
+    Announced hosts count, vetted or not: one the backbone cannot reach is computed around (as before the vetting),
+    not waited on; which hosts get dispatches is decided by the routes ``refresh`` builds from vetted lookups."""
     deadline = time.monotonic() + deadline_s
     while True:
         counts = []
         for layer in layers:
-            counts.append(len(await moe.discovery.lookup(moe.model_digest, layer, fresh=True)))  # the DHT, not the cache
+            counts.append(len(await moe.discovery.announced(moe.model_digest, layer)))  # the DHT, unvetted: refresh() vets
         if min(counts) >= n_hosts:
             await moe.refresh(layers)
             return

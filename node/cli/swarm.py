@@ -48,7 +48,7 @@ def _record_field(check):
 @click.option("--quic-listen", default=None, help="UDP HOST:PORT where this node answers reachability probes and which it announces as a helper (default: the --listen host and port number, over UDP; a wildcard host is not announced).")
 @bootstrap_opt
 @http_opt
-@click.option("--model", "model_path", default=None, help="With --http: the model GGUF whose coverage (hosts per layer and expert range) the status page shows.")
+@click.option("--model", "model_path", default=None, help="The model GGUF this bootstrap serves: it refuses records naming layers or experts the model does not have, and with --http the status page shows its coverage (hosts per layer and expert range).")
 @data_dir_opt
 @ready_opt
 def bootstrap_cmd(listen: str, quic_listen: str | None, bootstrap: tuple[str, ...], bootstrap_wait: float, http_addr: str | None, model_path: str | None, data_dir: str | None, ready_file: str | None) -> None:

@@ -32,22 +32,17 @@ from node.status.coverage import Coverage, Phase, Seen, build_coverage, readines
 from node.status.metrics import LedgerTotals, NodeCollector, exposition, registry_for
 from node.status.page import render
 from p2p.ports import binding
+from p2p.records import ModelShape
 
 log = structlog.get_logger("node.status")
 REFRESH_S = 5.0
 SEEN_WINDOW = 2000  # newest dispatch records the page's path/RTT per host come from
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    digest: str
-    n_layer: int
-    n_expert: int
-
-
 def model_shape(model: Any) -> ModelShape:
     """The shape of a ``GGUFModel`` (full model or slice: the config keeps the whole model's layer count)."""
-    return ModelShape(model.digest, model.cfg.n_layer, model.cfg.n_expert)
+    cfg = model.cfg
+    return ModelShape(model.digest, cfg.n_layer, cfg.n_expert, cfg.n_dense_lead)
 
 
 @dataclass

@@ -125,7 +125,7 @@ class WorkerNode:
         stack.callback(worker.close)
         # A worker behind a relay may be NAT-bound: it joins the DHT as a client (nobody may be able to dial it, so
         # it must not host records), also when its check finds it public.
-        self.dht = dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap, client_mode=bool(opts.relay))
+        self.dht = dht = LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap, client_mode=bool(opts.relay), models=[model_shape(model)])
         stack.push_async_callback(dht.close)
         self.endpoint = endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=worker.handle, max_datagram_size=opts.max_datagram, max_message=min(wire.MAX_MESSAGE, opts.serve_limits.max_bytes_per_conn), serve_limits=opts.serve_limits)
         stack.push_async_callback(endpoint.close)

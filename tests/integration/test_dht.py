@@ -21,7 +21,7 @@ import trio
 
 from p2p.dht import LibP2PDiscovery
 from p2p.identity import Identity, PeerId
-from p2p.records import HostedSlice, HostRecord, RelayAddress, issue, sign, value_key
+from p2p.records import HostedSlice, HostRecord, ModelShape, RelayAddress, issue, sign, value_key
 from tests.support import async_poll, run_bounded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -248,6 +248,33 @@ def test_more_than_ten_slices_from_one_worker_are_all_found(swarm: Swarm):
         return {layer for layer, records in enumerate(found) if peers(records) == {swarm.big.peer_id}}
 
     assert run(async_poll(layers_found, lambda got: len(got) == BIG_LAYERS, FOUND_WITHIN)) == set(range(BIG_LAYERS))
+
+
+def test_a_node_told_the_model_neither_stores_nor_returns_records_outside_its_shape():
+    """A bootstrap told a 32-expert model refuses a record for its experts 0-65534, so no lookup finds it; a lookup
+    node told another model's shape drops that model's out-of-shape record, which a node without the shape returns."""
+    stored_by_boot = ModelShape(MODEL, n_layer=3, n_expert=32)
+    known_to_looker = ModelShape(BIG_MODEL, n_layer=8, n_expert=32)
+
+    async def check() -> tuple[set[PeerId], set[PeerId], set[PeerId], set[PeerId]]:
+        async with LibP2PDiscovery(Identity.generate(), models=[stored_by_boot]) as boot:
+            join = boot.multiaddrs
+            async with (
+                LibP2PDiscovery(Identity.generate(), bootstrap=join, client_mode=True) as honest,
+                LibP2PDiscovery(Identity.generate(), bootstrap=join, client_mode=True) as greedy,
+                LibP2PDiscovery(Identity.generate(), bootstrap=join, client_mode=True) as plain,
+                LibP2PDiscovery(Identity.generate(), bootstrap=join, client_mode=True, models=[known_to_looker]) as knows,
+            ):
+                await honest.announce([HostedSlice(MODEL, 1, ((0, 32),), "127.0.0.1:7001"), HostedSlice(BIG_MODEL, 5, ((0, 64),), "127.0.0.1:7001")])
+                await greedy.announce([HostedSlice(MODEL, 1, ((0, 65535),), "127.0.0.1:7002")])
+                want = {honest.peer_id}
+                model_a = await async_poll(partial(plain.lookup, MODEL, 1), lambda r: peers(r) == want, FOUND_WITHIN)
+                big_plain = await async_poll(partial(plain.lookup, BIG_MODEL, 5), lambda r: peers(r) == want, FOUND_WITHIN)
+                return peers(model_a), peers(await knows.lookup(MODEL, 1)), peers(big_plain), peers(await knows.lookup(BIG_MODEL, 5))
+
+    model_a, model_a_knows, big_plain, big_knows = run(check())
+    assert model_a == model_a_knows == big_plain and len(model_a) == 1  # the greedy record was never stored
+    assert big_knows == set()
 
 
 def test_client_mode_worker_stays_out_of_routing_tables(swarm: Swarm):

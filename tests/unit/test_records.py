@@ -23,6 +23,8 @@ from p2p.records import (
     HostRecord,
     KeyMismatch,
     MalformedRecord,
+    ModelShape,
+    OutsideModel,
     RecordError,
     RecordExpired,
     RecordNotYetValid,
@@ -403,3 +405,58 @@ def test_cached_discovery_drops_records_that_expire_while_cached():
         assert await cached.lookup(MODEL, 1) == []
 
     asyncio.run(scenario())
+
+
+# --- records against the model's shape --------------------------------------------------------
+
+SHAPE = ModelShape(MODEL, n_layer=4, n_expert=32, n_dense_lead=1)
+
+
+@pytest.mark.parametrize(
+    ("layer", "ranges", "fits"),
+    [
+        (1, ((0, 32),), True),  # every expert of the first MoE layer
+        (3, ((0, 4), (30, 32)), True),
+        (3, (), True),  # a tombstone of a real layer
+        (3, ((0, 65535),), False),  # experts 0-65534 of a 32-expert model (the reported record)
+        (3, ((31, 33),), False),  # one past the last expert
+        (0, ((0, 8),), False),  # the dense lead layer has no experts
+        (4, ((0, 8),), False),  # past the last layer
+    ],
+)
+def test_model_shape_refuses_layers_and_experts_the_model_lacks(layer, ranges, fits):
+    """A record fits the shape only within the MoE layers and n_expert; past them it is OutsideModel."""
+    record, _ = signed(slice_=hosted(layer, ranges))
+    if fits:
+        SHAPE.check(record)
+    else:
+        with pytest.raises(OutsideModel):
+            SHAPE.check(record)
+
+
+def test_model_shape_refuses_records_of_another_model():
+    """A record naming another model's digest does not fit this model's shape."""
+    record, _ = signed(slice_=HostedSlice(OTHER_MODEL, 1, ((0, 8),), quic_addr="127.0.0.1:4433"))
+    with pytest.raises(OutsideModel, match="another model"):
+        SHAPE.check(record)
+
+
+def test_lookup_of_a_known_model_drops_records_outside_its_shape():
+    """live_hosts with the shape returns the fitting record only; without it, both (a node that lacks the model)."""
+    good, _ = signed(ALICE, hosted(3, ((0, 32),)))
+    bad, _ = signed(BOB, hosted(3, ((0, 65535),)))
+    assert live_hosts([good, bad], MODEL, 3, NOW, SHAPE) == [good]
+    assert {r.peer_id for r in live_hosts([good, bad], MODEL, 3, NOW)} == {ALICE.peer_id, BOB.peer_id}
+
+
+def test_in_memory_discovery_told_the_model_refuses_out_of_shape_hosts():
+    """InMemoryDiscovery with models= answers a lookup without the record offering experts the model lacks."""
+    board, clock = InMemoryBoard(), FakeClock(NOW)
+
+    async def main():
+        await InMemoryDiscovery(ALICE, board, clock=clock).announce([hosted(2, ((0, 16),))])
+        await InMemoryDiscovery(BOB, board, clock=clock).announce([hosted(2, ((16, 40),))])
+        knows = InMemoryDiscovery(Identity.generate(), board, clock=clock, models=[SHAPE])
+        return await knows.lookup(MODEL, 2)
+
+    assert [r.peer_id for r in asyncio.run(main())] == [ALICE.peer_id]
