@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 
 from ..errors import KernelError
+from ..moe import Progress
 from .base import QTYPES, Kernel, QuantWeight
 from .samples import random_expert_stack, random_weight
 
@@ -50,16 +51,20 @@ def _check(kernel: Kernel, what: str, call: Callable[[np.ndarray], np.ndarray], 
             fail(f"rows {idx.tolist()} in that order differ from the same rows in another batch")
 
 
-def self_test(kernel: Kernel, qtypes: Iterable[gguf.GGMLQuantizationType] = QTYPES, seed: int = 0) -> None:
-    """Raise ``KernelError`` unless *kernel* is batch invariant for every one of *qtypes* (random inputs)."""
+def self_test(kernel: Kernel, qtypes: Iterable[gguf.GGMLQuantizationType] = QTYPES, seed: int = 0, progress: Progress | None = None) -> None:
+    """Raise ``KernelError`` unless *kernel* is batch invariant for every one of *qtypes* (random inputs);
+    *progress* hears after each check (two per quant type)."""
     rng = np.random.default_rng(seed)
     d, n, ff, n_expert = 256, 48, 256, 4
-    for qtype in qtypes:
+    qtypes = list(qtypes)
+    for step, qtype in enumerate(qtypes):
         # Rows of different magnitudes, so mixed batches mix activation scales (what quantized activations see).
         x = rng.standard_normal((MAX_ROWS, d)).astype(np.float32)
         x *= rng.uniform(0.1, 10.0, size=(MAX_ROWS, 1)).astype(np.float32)
         w = random_weight(qtype, (n, d), rng)
         _check(kernel, f"matmul {qtype.name} ({n}x{d})", lambda i: kernel.matmul(x[i], w, qtype, (n, d)), x, rng)
+        if progress:
+            progress(2 * step + 1, 2 * len(qtypes))
         gate = QuantWeight(random_expert_stack(qtype, n_expert, ff, d, rng), qtype, (n_expert, ff, d))
         up = QuantWeight(random_expert_stack(qtype, n_expert, ff, d, rng), qtype, (n_expert, ff, d))
         down = QuantWeight(random_expert_stack(qtype, n_expert, d, ff, rng), qtype, (n_expert, d, ff))
@@ -71,3 +76,5 @@ def self_test(kernel: Kernel, qtypes: Iterable[gguf.GGMLQuantizationType] = QTYP
             x,
             rng,
         )
+        if progress:
+            progress(2 * step + 2, 2 * len(qtypes))
