@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -143,6 +144,28 @@ def tcp_multiaddr(listen: str) -> str:
     except ValueError:
         raise UsageError(f"listen address {listen!r}: {host!r} is not an IP address; give an IP, e.g. 0.0.0.0:4001") from None
     return f"/ip{ip.version}/{ip}/tcp/{port}"
+
+
+def bootstrap_hostport(addr: str) -> tuple[str, int]:
+    """The TCP host and port of a bootstrap multiaddr (``/ip4/H/tcp/P/p2p/ID``; also ``/ip6``, ``/dns``, ``/dns4``, ``/dns6``)."""
+    parts = addr.split("/")
+    if len(parts) < 5 or parts[0] or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp" or not parts[4].isdigit():
+        raise UsageError(f"bootstrap address {addr!r} must look like /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW... (what `moeswarm bootstrap` prints)")
+    return parts[2], int(parts[4])
+
+
+def probe_bootstrap(addr: str, timeout: float) -> None:
+    """Open and close a TCP connection to a bootstrap's host and port: a DiscoveryError saying what failed.
+
+    Only the transport is checked (no libp2p handshake): cheap enough to retry before a model is loaded; the
+    peer id is checked when the DHT joins.
+    """
+    host, port = bootstrap_hostport(addr)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or type(exc).__name__
+        raise DiscoveryError(f"bootstrap {addr} is unreachable: TCP {host}:{port} {reason}") from None
 
 
 class _Node:

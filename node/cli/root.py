@@ -63,6 +63,7 @@ class LazyGroup(click.Group):
         "bootstrap": "node.cli.swarm:bootstrap_cmd",
         "demo": "node.cli.demo:demo_cmd",
         "inspect": "node.cli.model:inspect_cmd",
+        "join": "node.cli.join:join_cmd",
         "ledger": "node.cli.ledger:ledger_group",
         "model": "node.cli.model:model_group",
         "relay": "node.cli.relay:relay_cmd",
