@@ -68,6 +68,7 @@ class LazyGroup(click.Group):
         "model": "node.cli.model:model_group",
         "relay": "node.cli.relay:relay_cmd",
         "slice": "node.cli.model:slice_cmd",
+        "status": "node.cli.status:status_cmd",
         "testbed": "node.cli.testbed:testbed_group",
         "verify": "node.cli.model:verify_cmd",
         "worker": "node.cli.swarm:worker_cmd",
