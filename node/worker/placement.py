@@ -119,9 +119,12 @@ def is_loopback_host(host: str) -> bool:
 def check_advertise(advertise_host: str, bootstrap_host: str) -> None:
     """Refuse to announce an address that the swarm behind *bootstrap_host* cannot dial (a UsageError, one line).
 
-    A wildcard is no address at all; a loopback address reaches only this machine, so it is refused unless the
-    bootstrap is on loopback too (a swarm on one machine).
+    A wildcard is no address at all (nor is it a bootstrap's); a loopback address reaches only this machine, so it is
+    refused unless the bootstrap is on loopback too (a swarm on one machine).
     """
+    boot = _ip(bootstrap_host)
+    if boot is not None and boot.is_unspecified:
+        raise UsageError(f"the bootstrap address names the wildcard {bootstrap_host} (what a bootstrap started with a wildcard --listen prints): put the bootstrap machine's address in its place")
     ip = _ip(advertise_host)
     if ip is not None and ip.is_unspecified:
         raise UsageError(f"refusing to announce the wildcard address {advertise_host} to the swarm at {bootstrap_host}: nobody can dial it; give --advertise HOST:PORT with this machine's address as the others reach it (or leave --advertise out to use the address that routes to the bootstrap)")

@@ -81,6 +81,7 @@ def test_default_budget_is_a_share_of_mem_available():
         ("127.0.0.1", "198.51.100.7", "loopback"),
         ("[::1]", "198.51.100.7", "loopback"),
         ("localhost", "bootstrap.example.org", "loopback"),
+        ("127.0.0.1", "0.0.0.0", "bootstrap address names the wildcard"),
         ("127.0.0.1", "127.0.0.1", None),
         ("10.0.0.2", "198.51.100.7", None),
         ("192.0.2.2", "localhost", None),
