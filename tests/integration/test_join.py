@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 
 import pytest
 
@@ -12,6 +11,7 @@ from node.launcher import Cluster
 from p2p.dht import LibP2PDiscovery
 from p2p.identity import Identity
 from tests.support import moeswarm, until, wait_for_log
+from tests.support.tlsproxy import free_port
 
 from ..conftest import make_model
 
@@ -69,12 +69,21 @@ def test_join_refuses_to_announce_an_address_the_swarm_cannot_dial(model32):
 
 def test_join_gives_up_on_an_unreachable_bootstrap_with_one_line(tmp_path, model32):
     """A bootstrap port nobody listens on is retried for --bootstrap-wait seconds, then one `error:` line names it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: connections are refused
-    addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{Identity.generate().peer_id}"
+    addr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{Identity.generate().peer_id}"  # nobody listens: refused
     r = moeswarm("join", "--model", str(model32), "--bootstrap", addr, "--bootstrap-wait", "1", "--data-dir", str(tmp_path / "j"), timeout=60)
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and addr in errors[0] and "unreachable" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_join_through_a_relay_says_so(tmp_path, model32):
+    """With --relay (and --relay-only, as behind a NAT) the joiner announces no direct address: its line names the
+    relay URL and the relay path."""
+    with Cluster(tmp_path) as cluster:
+        url = cluster.start("relay", "relay", "--listen", f"127.0.0.1:{free_port()}").wait_ready()["url"]
+        boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
+        joiner = cluster.start("joiner", "join", "--model", str(model32), "--bootstrap", boot, "--memory", "1G", "--relay", url, "--relay-only")
+        assert joiner.wait_ready(timeout=120)["quic_addr"] is None
+        line = wait_for_log(joiner.log_file, "serving layers", timeout=30)
+        assert line == f"serving layers 0-{N_LAYER - 1} experts 0-31 of {model32.name} reachable at {url} via relay", line
