@@ -55,9 +55,11 @@ def join_cmd(model_path, slice_path, model_digest, bootstrap, memory, listen, ad
     model = GGUFModel(model_path or slice_path)
     budget = parse_size(memory) if memory else default_budget(Path("/proc/meminfo").read_text())
 
+    dht_listen = dht_listen or f"{local}:0"
     wait_for_bootstrap(bootstrap, bootstrap_wait)
-    coverage = asyncio.run(survey(model, bootstrap, dht_listen or f"{local}:0"))
-    unit = max(packed_bytes(model, range(layer, layer + 1), ExpertRange(model.experts.start, model.experts.start + 1)) for layer in model.layers if model.cfg.is_moe(layer)) if model.moe_layers else 0
+    coverage = asyncio.run(survey(model, bootstrap, dht_listen))
+    one = ExpertRange(model.experts.start, model.experts.start + 1)
+    unit = max((packed_bytes(model, range(layer, layer + 1), one) for layer in model.moe_layers), default=0)  # one expert of the largest layer
     part = choose_part(host_counts(coverage, model.moe_layers), model.layers, model.experts, unit, budget)
     size = packed_bytes(model, part.layers, part.experts)
     click.echo(f"swarm: {len(coverage.peers)} hosts; least covered: {part.describe()} ({part.hosts_before} hosts); hosting them: {size / MB:.1f} MB of the {budget / MB:.1f} MB this worker may use", err=True)
@@ -67,7 +69,7 @@ def join_cmd(model_path, slice_path, model_digest, bootstrap, memory, listen, ad
         via, addr = ("direct", node.addr) if node.addr else ("relay", node.opts.relay)
         click.echo(f"serving layers {s.layers.start}-{s.layers.stop - 1} experts {s.experts.start}-{s.experts.stop - 1} of {model.path.name} reachable at {addr} via {via}")
 
-    start_worker(model, layers=part.layers, experts=part.experts, listen=(listen_host, listen_port), advertise=advertise, dht_listen=dht_listen or f"{local}:0", bootstrap=bootstrap, memory_budget=budget, model_digest=model_digest, on_ready=serving_line, **serving)
+    start_worker(model, layers=part.layers, experts=part.experts, listen=(listen_host, listen_port), advertise=advertise, dht_listen=dht_listen, bootstrap=bootstrap, memory_budget=budget, model_digest=model_digest, on_ready=serving_line, **serving)
 
 
 def _is_wildcard(host: str) -> bool:
