@@ -87,3 +87,17 @@ def test_join_through_a_relay_says_so(tmp_path, model32):
         assert joiner.wait_ready(timeout=120)["quic_addr"] is None
         line = wait_for_log(joiner.log_file, "serving layers", timeout=30)
         assert line == f"serving layers 0-{N_LAYER - 1} experts 0-31 of {model32.name} reachable at {url} via relay", line
+
+
+def test_join_with_a_slice_chooses_within_it(tmp_path, model32):
+    """A slice of experts 8-31 on a swarm hosting 0-15: the joiner takes 16-31, the part of its slice no one serves."""
+    sliced = tmp_path / "slice.gguf"
+    r = moeswarm("slice", str(model32), "--layers", f"0-{N_LAYER - 1}", "--experts", "8-31", "-o", str(sliced))
+    assert r.returncode == 0, r.stderr
+    with Cluster(tmp_path) as cluster:
+        boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
+        cluster.start("low", "worker", "--model", str(model32), "--experts", "0-15", "--bootstrap", boot).wait_ready()
+        joiner = cluster.start("joiner", "join", "--slice", str(sliced), "--bootstrap", boot, "--memory", "1G")
+        joiner.wait_ready(timeout=120)
+        line = wait_for_log(joiner.log_file, "serving layers", timeout=30)
+        assert line.startswith(f"serving layers 0-{N_LAYER - 1} experts 16-31 of slice.gguf reachable at 127.0.0.1:"), line
