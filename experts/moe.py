@@ -17,13 +17,16 @@ Exactness across the swarm rests on two rules, both part of the protocol:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .arch import Activation, Gating
+
+Progress = Callable[[int, int], None]
+"""Called with (steps done, steps in all) as long work goes on; it may raise to stop that work at once."""
 
 if TYPE_CHECKING:  # experts.kernels imports this module
     from .gguf_model import ExpertRange, GGUFModel
@@ -169,8 +172,10 @@ class ExpertSource:
         """See :func:`partial_sum`."""
         return partial_sum(self, layer, x, expert_ids, weights, held)
 
-    def warm(self) -> None:
-        """Make the first dispatches as fast as the later ones (load caches, fault pages in); default: nothing."""
+    def warm(self, progress: Progress | None = None) -> None:
+        """Make the first dispatches as fast as the later ones (load caches, fault pages in); default: nothing.
+
+        *progress* hears after each step (a raise from it stops warming: how Ctrl-C stops a load at once)."""
 
 
 def partial_sum(

@@ -19,7 +19,7 @@ from .arch import EXPERT_BIASES, FUSED_GATE_UP, Activation
 from .errors import SliceError
 from .gguf_model import ExpertRange, GGUFModel
 from .kernels import ExpertBias, Kernel, KernelIdentity, QuantWeight
-from .moe import Biases, ExpertSource, ordered_sum
+from .moe import Biases, ExpertSource, Progress, ordered_sum
 from .slices import hosted_part
 
 
@@ -40,12 +40,16 @@ class PackedExperts(ExpertSource):
     def identity(self) -> KernelIdentity:
         return self.kernel.identity
 
-    def warm(self) -> None:
+    def warm(self, progress: Progress | None = None) -> None:
         """Fault every page of the hosted experts in (a byte per page), so the first dispatches do not."""
         first = self.experts.start - self.model.experts.start
-        for layer in filter(self.model.cfg.is_moe, self.layers):
+        layers = list(filter(self.model.cfg.is_moe, self.layers))
+        for done, layer in enumerate(layers, 1):
             for w in self.stacks(layer):
-                int(w.data[first : first + len(self.experts), ::4096].sum())
+                for e in range(first, first + len(self.experts)):  # per expert: a progress step stays short
+                    int(w.data[e, ::4096].sum())
+            if progress:
+                progress(done, len(layers))
 
     def stacks(self, layer: int) -> tuple[QuantWeight, QuantWeight, QuantWeight]:
         """(gate, up, down) of *layer* as zero-copy views of the file, indexed by local expert."""

@@ -23,7 +23,7 @@ from .errors import SliceError
 from .gguf_model import SLICE_PREFIX, ExpertRange, GGUFModel, config_line, model_digest
 from .kernels.reference import ReferenceKernel
 from .model_writer import add_hparams
-from .moe import Biases, ExpertSource
+from .moe import Biases, ExpertSource, Progress
 
 log = structlog.get_logger("experts.slices")
 
@@ -40,8 +40,9 @@ def parse_range(text: str, limit: int, what: str) -> range:
     return range(start, stop)
 
 
-def write_slice(model: GGUFModel, layers: range, experts: ExpertRange, out: str | Path) -> Path:
-    """Write the slice (layers x experts) of a full model to *out*."""
+def write_slice(model: GGUFModel, layers: range, experts: ExpertRange, out: str | Path, *, progress_bar: bool = False) -> Path:
+    """Write the slice (layers x experts) of a full model to *out* (*progress_bar*: gguf's own bar of the bytes
+    written, on stderr: the CLI asks for it on a terminal only)."""
     if model.is_slice:
         raise SliceError(f"{model.path} is already a slice; cut slices from the full model")
     cfg = model.cfg
@@ -72,13 +73,14 @@ def write_slice(model: GGUFModel, layers: range, experts: ExpertRange, out: str 
     w.add_string(p + "leaves", json.dumps(leaves))
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_tensors_to_file(progress=progress_bar)
     w.close()
     return Path(out)
 
 
-def check_slice(sl: GGUFModel, expected_digest: str | None = None) -> None:
-    """Prove the slice's bytes belong to the model it names (and, if given, that this is *expected_digest*)."""
+def check_slice(sl: GGUFModel, expected_digest: str | None = None, progress: Progress | None = None) -> None:
+    """Prove the slice's bytes belong to the model it names (and, if given, that this is *expected_digest*);
+    *progress* hears after each layer."""
     info = sl.slice
     if info is None:
         raise SliceError(f"{sl.path} is not a slice file")
@@ -92,7 +94,7 @@ def check_slice(sl: GGUFModel, expected_digest: str | None = None) -> None:
     if info.manifest[0] != config_line(sl.cfg):
         raise SliceError(f"slice {sl.path}: its hyper-parameters differ from those of model {info.model_digest[:16]}...")
     manifest_hash = {line.split("|")[0]: line.split("|")[3] for line in info.manifest[1:]}
-    for i in sl.moe_layers:
+    for done, i in enumerate(sl.moe_layers, 1):
         for name in sl.expert_tensors(i):
             leaves = info.leaves.get(name)
             if leaves is None or hashlib.sha256("".join(leaves).encode()).hexdigest() != manifest_hash.get(name):
@@ -100,6 +102,8 @@ def check_slice(sl: GGUFModel, expected_digest: str | None = None) -> None:
             for e in range(sl.experts.start, sl.experts.stop):
                 if hashlib.sha256(sl.expert_rows(name, e)).hexdigest() != leaves[e]:
                     raise SliceError(f"slice {sl.path}: expert {e} of {name} does not match the model's bytes")
+        if progress:
+            progress(done, len(sl.moe_layers))
 
 
 def hosted_part(model: GGUFModel, layers: range | None, experts: ExpertRange | None) -> tuple[range, ExpertRange]:
@@ -153,9 +157,11 @@ class ExpertStore(ExpertSource):
                 self._cache[(layer, expert)] = cached
         return cached
 
-    def warm(self) -> None:
+    def warm(self, progress: Progress | None = None) -> None:
         """Dequantize every hosted expert now (cached mode), so the first dispatches pay nothing."""
         if self.mode == "cached":
-            for i in filter(self.model.cfg.is_moe, self.layers):
-                for e in range(self.experts.start, self.experts.stop):
-                    self.weights(i, e)
+            steps = [(i, e) for i in filter(self.model.cfg.is_moe, self.layers) for e in range(self.experts.start, self.experts.stop)]
+            for done, (i, e) in enumerate(steps, 1):
+                self.weights(i, e)
+                if progress:
+                    progress(done, len(steps))

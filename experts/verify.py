@@ -22,7 +22,7 @@ from .forward import Backbone, KVCache, local_moe
 from .gguf_model import GGUFModel
 from .hosting import open_experts
 from .kernels import Kernel
-from .moe import ExpertSource, Partition, combine, grouped_moe, ungrouped_moe
+from .moe import ExpertSource, Partition, Progress, combine, grouped_moe, ungrouped_moe
 
 MIN_COSINE = 0.999
 TIE_GAP = 0.2
@@ -76,17 +76,27 @@ def wire_moe(source: ExpertSource, partition: Partition, codec: Codec):
     return moe_ffn
 
 
-def run_gate(model: GGUFModel, codec: Codec, *, kernel: Kernel, groups: int = 3, prompt: str = DEFAULT_PROMPT, reference: str | None = None) -> dict:
-    """Everything `moeswarm verify` prints, as one dict: the dense part and the experts computed by *kernel*."""
+def run_gate(model: GGUFModel, codec: Codec, *, kernel: Kernel, groups: int = 3, prompt: str = DEFAULT_PROMPT, reference: str | None = None, progress: Progress | None = None) -> dict:
+    """Everything `moeswarm verify` prints, as one dict: the dense part and the experts computed by *kernel*
+    (*progress* hears after each forward pass: local, over the wire, ungrouped, llama.cpp)."""
     from .tokenizer import Tokenizer
+
+    passes = 4 if reference else 3
+
+    def done(n: int) -> None:
+        if progress:
+            progress(n, passes)
 
     tokens = Tokenizer.from_spec(model.tokenizer_spec).encode(prompt)[: model.cfg.context_length]
     store, _ = open_experts(model, kernel)
     bb = Backbone(model, kernel)
     part = Partition.even(model.cfg.n_expert, groups)
     local = bb.forward(tokens, KVCache(), local_moe(lambda i, x, ids, w: grouped_moe(store, part, i, x, ids, w)))
+    done(1)
     remote = bb.forward(tokens, KVCache(), local_moe(wire_moe(store, part, codec)))
+    done(2)
     ungrouped = bb.forward(tokens, KVCache(), local_moe(lambda i, x, ids, w: ungrouped_moe(store, i, x, ids, w)))
+    done(3)
     rl = compare(remote, local)
     gate_ok = rl.bit_identical if codec is Codec.F32 else (rl.min_cosine >= MIN_COSINE and rl.argmax_agree == 1.0)
     ref = None
@@ -96,6 +106,7 @@ def run_gate(model: GGUFModel, codec: Codec, *, kernel: Kernel, groups: int = 3,
         from .reference import llamacpp_logits
 
         c = compare(ungrouped, llamacpp_logits(model.path, tokens))
+        done(4)
         ref = {"engine": "llamacpp", "min_cosine": c.min_cosine, "argmax_agree": c.argmax_agree, "positions": c.positions, "near_ties_excluded": c.near_ties_excluded, "max_abs_diff": c.max_abs_diff}
         gate_ok = gate_ok and c.min_cosine >= MIN_COSINE and c.argmax_agree == 1.0
     verdict = "pass" if gate_ok else "fail"

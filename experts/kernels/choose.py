@@ -8,9 +8,10 @@ on the batch. ``ggml`` is the default because it is the fast one; ``reference`` 
 
 from __future__ import annotations
 
-import functools
+import threading
 
 from ..errors import KernelError
+from ..moe import Progress
 from .base import Kernel
 from .ggml_kernel import GgmlKernel
 from .reference import ReferenceKernel
@@ -20,18 +21,25 @@ KERNELS: dict[str, type[GgmlKernel] | type[ReferenceKernel]] = {"ggml": GgmlKern
 DEFAULT = "ggml"
 
 
-def make_kernel(name: str = DEFAULT, threads: int = 1, *, check: bool = True) -> Kernel:
-    """The kernel called *name* with *threads* threads, self-tested on this machine unless ``check=False``."""
+def make_kernel(name: str = DEFAULT, threads: int = 1, *, check: bool = True, progress: Progress | None = None) -> Kernel:
+    """The kernel called *name* with *threads* threads, self-tested on this machine unless ``check=False``
+    (*progress* hears the self-test's steps, and may raise to stop it).
+
+    One self-tested instance per (name, threads) and process: kernels are thread safe, and the self-test proves
+    a property of the build and the CPU, which do not change while we run."""
     make = KERNELS.get(name)
     if make is None:
         raise KernelError(f"unknown kernel {name!r}; choose one of {', '.join(sorted(KERNELS))}")
-    return _checked(name, threads) if check else make(threads)
+    if not check:
+        return make(threads)
+    with _CHECKING:
+        kernel = _CHECKED.get((name, threads))
+        if kernel is None:
+            kernel = make(threads)
+            self_test(kernel, progress=progress)
+            _CHECKED[name, threads] = kernel
+        return kernel
 
 
-@functools.cache
-def _checked(name: str, threads: int) -> Kernel:
-    """One self-tested instance per (name, threads) and process: kernels are thread safe, and the
-    self-test proves a property of the build and the CPU, which do not change while we run."""
-    kernel = KERNELS[name](threads)
-    self_test(kernel)
-    return kernel
+_CHECKED: dict[tuple[str, int], Kernel] = {}
+_CHECKING = threading.Lock()  # one self-test at a time: a second caller waits for the first one's kernel

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..arch import Activation
 from ..errors import KernelError
+from ..moe import Progress
 from .base import QTYPES, ExpertBias, Kernel, QuantWeight
 from .samples import random_expert_stack, random_weight
 
@@ -51,23 +52,27 @@ def _check(kernel: Kernel, what: str, call: Callable[[np.ndarray], np.ndarray], 
             fail(f"rows {idx.tolist()} in that order differ from the same rows in another batch")
 
 
-def self_test(kernel: Kernel, qtypes: Iterable[gguf.GGMLQuantizationType] = QTYPES, seed: int = 0) -> None:
-    """Raise ``KernelError`` unless *kernel* is batch invariant for every one of *qtypes* (random inputs)."""
+def self_test(kernel: Kernel, qtypes: Iterable[gguf.GGMLQuantizationType] = QTYPES, seed: int = 0, progress: Progress | None = None) -> None:
+    """Raise ``KernelError`` unless *kernel* is batch invariant for every one of *qtypes* (random inputs);
+    *progress* hears after each check (two per quant type)."""
     rng = np.random.default_rng(seed)
     d, n, ff, n_expert = 256, 48, 256, 4
-    for n_type, qtype in enumerate(qtypes):
+    qtypes = list(qtypes)
+    for step, qtype in enumerate(qtypes):
         # Rows of different magnitudes, so mixed batches mix activation scales (what quantized activations see).
         x = rng.standard_normal((MAX_ROWS, d)).astype(np.float32)
         x *= rng.uniform(0.1, 10.0, size=(MAX_ROWS, 1)).astype(np.float32)
         w = random_weight(qtype, (n, d), rng)
         _check(kernel, f"matmul {qtype.name} ({n}x{d})", lambda i: kernel.matmul(x[i], w, qtype, (n, d)), x, rng)
+        if progress:
+            progress(2 * step + 1, 2 * len(qtypes))
         gate = QuantWeight(random_expert_stack(qtype, n_expert, ff, d, rng), qtype, (n_expert, ff, d))
         up = QuantWeight(random_expert_stack(qtype, n_expert, ff, d, rng), qtype, (n_expert, ff, d))
         down = QuantWeight(random_expert_stack(qtype, n_expert, d, ff, rng), qtype, (n_expert, d, ff))
         experts = rng.integers(0, n_expert, size=MAX_ROWS).astype(np.int32)
         bias = ExpertBias(*(rng.standard_normal((n_expert, n)).astype(np.float32) for n in (ff, ff, d)))
         # gpt-oss's experts add element-wise ops (SwiGLU-OAI, add_id of the biases) after the same matmuls: once is enough.
-        variants = ((Activation.SILU, None), (Activation.SWIGLU_OAI, bias)) if n_type == 0 else ((Activation.SILU, None),)
+        variants = ((Activation.SILU, None), (Activation.SWIGLU_OAI, bias)) if step == 0 else ((Activation.SILU, None),)
         for act, b in variants:
             _check(
                 kernel,
@@ -76,3 +81,5 @@ def self_test(kernel: Kernel, qtypes: Iterable[gguf.GGMLQuantizationType] = QTYP
                 x,
                 rng,
             )
+        if progress:
+            progress(2 * step + 2, 2 * len(qtypes))

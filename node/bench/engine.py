@@ -35,6 +35,7 @@ from experts.arch import Activation
 from experts.forward import Backbone, KVCache, MoeFfn, local_moe
 from experts.gguf_model import GGUFModel
 from experts.kernels import ExpertBias, Kernel, QuantWeight, make_kernel
+from experts.moe import Progress
 from experts.packed_experts import PackedExperts
 from experts.random_model import random_config, write_random_model
 from experts.reference import llamacpp
@@ -207,8 +208,10 @@ def run(
     qtype: str = "Q4_K",
     shape: dict | None = None,
     model_path: str | None = None,
+    progress: Progress | None = None,
 ) -> dict:
-    """Decode and prefill tokens/s of both engines at 1 and 2 threads, and moeswarm's peak RSS; see the module docstring."""
+    """Decode and prefill tokens/s of both engines at 1 and 2 threads, and moeswarm's peak RSS; see the module docstring
+    (*progress* hears after each measured round)."""
     shape = {**QWEN3_30B_A3B, **(shape or {})}
     with tempfile.TemporaryDirectory() as tmp:
         if model_path is None:
@@ -233,6 +236,8 @@ def run(
                 for name, engine in order[::-1] if r % 2 else order:
                     timings.setdefault(("decode", name), []).append(decode_seconds(engine, prompt, n_tokens))
                     timings.setdefault(("prefill", name), []).append(prefill_seconds(engine, batch))
+                if progress:
+                    progress(r + 1, rounds)
         finally:
             for llm in theirs.values():
                 llm.close()

@@ -21,6 +21,7 @@ import numpy as np
 
 from experts.embedded import DEFAULT_PROMPT, EMBEDDED_MODEL
 from experts.gguf_model import GGUFModel
+from experts.moe import Progress
 from node.bench.common import REFERENCE, BenchmarkError, message_bytes
 from node.launcher import Cluster
 from node.testbed.netns import require_root
@@ -188,8 +189,9 @@ def plot(by_rtt: list[dict], bytes_per_codec: dict, out_dir: Path) -> list[str]:
     return [str(tokens_png), str(bytes_png)]
 
 
-def run(rtt_list: list[float], n_tokens: int, n_prompts: int, session_tokens: int, session_rounds: int, star_tokens: int, plot_dir: Path | None) -> dict:
-    """The whole `bench wan` measurement (root only: it builds testbeds); returns the result published under its command."""
+def run(rtt_list: list[float], n_tokens: int, n_prompts: int, session_tokens: int, session_rounds: int, star_tokens: int, plot_dir: Path | None, progress: Progress | None = None) -> dict:
+    """The whole `bench wan` measurement (root only: it builds testbeds); returns the result published under its command
+    (*progress* hears after each RTT, the sessions check and the star check)."""
     if n_prompts > len(PROMPTS):
         raise BenchmarkError(f"--prompts {n_prompts}: bench wan has {len(PROMPTS)} prompts")
     require_root()
@@ -197,14 +199,26 @@ def run(rtt_list: list[float], n_tokens: int, n_prompts: int, session_tokens: in
     n_moe = len(model.layers)  # every layer of the embedded model is a MoE layer
     reference = message_bytes(REFERENCE["n_embd"], REFERENCE["n_expert_used"])
     with tempfile.TemporaryDirectory(prefix="moeswarm-wan-") as tmp:
-        by_rtt = [decode_variants(rtt, n_tokens, Path(tmp) / f"rtt{rtt:g}", n_moe, PROMPTS[:n_prompts]) for rtt in rtt_list]
+        steps = len(rtt_list) + 2
+
+        def done(n: int) -> None:
+            if progress:
+                progress(n, steps)
+
+        by_rtt = []
+        for rtt in rtt_list:
+            by_rtt.append(decode_variants(rtt, n_tokens, Path(tmp) / f"rtt{rtt:g}", n_moe, PROMPTS[:n_prompts]))
+            done(len(by_rtt))
         top = by_rtt[-1]
         batching = sessions(top["rtt_ms"], session_tokens, session_rounds, Path(tmp) / "sessions")
+        done(steps - 1)
+        star_result = star(star_tokens, Path(tmp) / "star")
+        done(steps)
         result = {
             **top,
             "sessions8_aggregate_ratio": batching["plain"]["ratio"],  # the batching alone; with speculation in "sessions"
             "sessions": batching,
-            "star": star(star_tokens, Path(tmp) / "star"),
+            "star": star_result,
             "bytes_per_token_per_layer": {"f16": reference["partial_f16"]["total"], "int8": reference["partial_int8"]["total"], "f32": reference["partial_f32"]["total"], "raw_f32": reference["raw_f32"]["total"]},
             "moe_layers": n_moe,
             "by_rtt": by_rtt,

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from node.bench.common import REFERENCE
+from node.cli import progress
 from node.cli.root import emit_json
 
 
@@ -69,7 +70,8 @@ def bench_engine(as_json: bool, n_layer: int, n_tokens: int, n_prefill: int, rou
     from node.bench import engine
 
     shape = {k: v for k, v in (("n_embd", n_embd), ("n_expert", n_expert)) if v is not None}
-    result = engine.run(n_layer, n_tokens, n_prefill, rounds, qtype, shape, model_path)
+    with progress.bars(progress.wanted(as_json=as_json)) as shown:
+        result = engine.run(n_layer, n_tokens, n_prefill, rounds, qtype, shape, model_path, progress=progress.stage(shown, "benchmark rounds"))
     d, p, r = result["decode"], result["prefill"], result["rss"]
     lines = [f"decode tokens/s: moeswarm {d['moeswarm_tps']} (2 threads {d['moeswarm_tps_2t']}), llama.cpp {d['llamacpp_tps_1t']} / {d['llamacpp_tps_2t']}; "
              f"ratio {d['ratio_1t']} (1 thread), {d['ratio_2t']} (2 threads)",
@@ -163,7 +165,8 @@ def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_t
         rtt_list = sorted(float(x) for x in rtts.split(","))
     except ValueError:
         raise click.BadParameter(f"{rtts!r}: expected comma-separated numbers of ms, e.g. 0,20,80", param_hint="--rtt-ms") from None
-    result = wan.run(rtt_list, n_tokens, n_prompts, session_tokens, session_rounds, star_tokens, Path(plot_dir) if plot_dir else None)
+    with progress.bars(progress.wanted(as_json=as_json)) as shown:
+        result = wan.run(rtt_list, n_tokens, n_prompts, session_tokens, session_rounds, star_tokens, Path(plot_dir) if plot_dir else None, progress=progress.stage(shown, "benchmark steps"))
     by_rtt = result["by_rtt"]
     command = (f"moeswarm bench wan --json --rtt-ms {rtts} --tokens {n_tokens} --prompts {n_prompts} --session-tokens {session_tokens} "
                f"--session-rounds {session_rounds} --star-tokens {star_tokens}" + (f" --plots {plot_dir}" if plot_dir else ""))  # fmt: skip

@@ -11,6 +11,7 @@ from experts.errors import UsageError
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.random_model import SUPPORTED_QTYPES, random_config, write_random_model
 from experts.slices import check_slice, parse_range, write_slice
+from node.cli import progress
 from node.cli.options import KERNEL_NAMES, kernel_options, open_kernel, parse_size
 from node.cli.root import emit_json
 
@@ -25,9 +26,10 @@ def slice_cmd(model: str, layers: str, experts_: str, output: str) -> None:
     m = GGUFModel(model)
     lr = parse_range(layers, m.cfg.n_layer, "layer")
     er = parse_range(experts_, m.cfg.n_expert, "expert")
-    out = write_slice(m, lr, ExpertRange(er.start, er.stop), output)
-    sl = GGUFModel(out)
-    check_slice(sl, m.digest)
+    with progress.bars(progress.wanted()) as shown:
+        out = write_slice(m, lr, ExpertRange(er.start, er.stop), output, progress_bar=shown is not None)
+        sl = GGUFModel(out)
+        check_slice(sl, m.digest, progress.stage(shown, "checking the slice"))
     size = out.stat().st_size
     click.echo(f"wrote {out}: layers {layers}, experts {experts_} of model {m.digest[:16]}... ({size / 1e6:.1f} MB of {m.path.stat().st_size / 1e6:.1f} MB)")
 
@@ -45,7 +47,8 @@ def verify_cmd(model: str, wire: str, reference: str | None, groups: int, as_jso
     from node.verdicts import record_verdict
 
     codec = Codec.parse(wire)
-    result = run_gate(GGUFModel(model), codec, kernel=open_kernel(kernel_name, threads), groups=groups, reference=reference)
+    with progress.bars(progress.wanted(as_json=as_json)) as shown:
+        result = run_gate(GGUFModel(model), codec, kernel=open_kernel(kernel_name, threads), groups=groups, reference=reference, progress=progress.stage(shown, "verifying"))
     record_verdict(result["model_digest"], codec, result["verdict"])
     if as_json:
         emit_json(result)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import click
@@ -15,6 +17,7 @@ from experts.slices import parse_range
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bootstrap import run_bootstrap_node
+from node.cli import progress
 from node.cli.options import bootstrap_opt, data_dir_opt, hedge_opt, http_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, spot_check_opts, thread_count, timeout_opt
 from node.cli.root import LazyGroup, emit_json
 from node.cli.streaming import stream_tokens
@@ -23,13 +26,13 @@ from node.runtime import data_dir as node_dir
 from node.runtime import load_identity, parse_hostport
 from node.status.server import model_shape
 from node.verdicts import default_wire
-from node.worker.node import WorkerOptions, run_worker
+from node.worker.node import WorkerNode, WorkerOptions, run_worker
 from p2p.budget import ServeLimits
-from p2p.dht import check_bootstrap
+from p2p.dht import BOOTSTRAP_WAIT, check_bootstrap
 from p2p.records import MalformedRecord, check_quic_addr, check_relay_url
 
 
-def _record_field(check):
+def record_field(check):
     """A click callback that refuses a value the worker's DHT records could not carry, before anything starts."""
 
     def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -66,6 +69,36 @@ def _print_bootstrap(addrs: list[str]) -> None:
     click.echo(f"bootstrap serving; join with: --bootstrap {addrs[0]}" if addrs else "bootstrap serving, but libp2p reports no listen address")
 
 
+def serving_options(f):
+    """The options `worker` and `join` share: how the worker computes, is paid, is reached and stops."""
+    options = [
+        kernel_options,
+        click.option("--price", default=0, show_default=True, help="Price per work unit, announced in the DHT record."),
+        click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback)."),
+        click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative)."),
+        click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default)."),
+        click.option("--relay", default=None, callback=record_field(check_relay_url), help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable. The worker then checks its reachability against the DHT's helpers: public -> it also announces a direct QUIC address; behind NAT -> only the relay, and backbones hole-punch to it (not behind a symmetric NAT)."),
+        click.option("--reachability-recheck", "recheck_s", default=300.0, show_default=True, type=click.FloatRange(min=1), help="With --relay: seconds between reachability re-checks; a changed verdict is re-announced (e.g. after a port forward)."),
+        click.option("--drain-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0), help="On SIGTERM/SIGINT: seconds to finish the dispatches in flight (after withdrawing the records, new ones are refused) before closing."),
+        click.option("--dispatch-delay", default=0.0, hidden=True, type=click.FloatRange(min=0), help="Test only: seconds every dispatch waits before computing."),
+        click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay)."),
+        click.option("--summary-interval", "summary_s", default=60.0, show_default=True, type=click.FloatRange(min=1), help="Seconds between the info lines that sum up what this worker served and earned (an interval with no dispatch prints none)."),
+        click.option("--request-buffer", default="64M", show_default=True, help="Request bytes all peers together may make this worker hold (arriving or being computed); past it the stalest unfinished requests are reset, then new ones refused (OVERLOADED)."),
+        click.option("--request-buffer-per-peer", default="16M", show_default=True, help="Request bytes one connection may make this worker hold (also the largest request it accepts); past it its new streams are refused (OVERLOADED)."),
+        click.option("--max-streams-per-peer", default=64, show_default=True, type=click.IntRange(min=1), help="Request streams one connection may have open at once."),
+        click.option("--request-deadline", default=30.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds from a request's first byte to its end; a slower request is reset and freed."),
+        click.option("--max-in-flight", default=256, show_default=True, type=click.IntRange(min=1), help="Dispatches computed or queued at once, all peers; more get an OVERLOADED error reply."),
+        click.option("--max-in-flight-per-peer", default=32, show_default=True, type=click.IntRange(min=1), help="Dispatches computed or queued at once for one peer; more get an OVERLOADED error reply."),
+        relay_opts,
+        http_opt,
+        data_dir_opt,
+        ready_opt,
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 @click.command("worker")
 @click.option("--model", "model_path", default=None, help="Full model GGUF (host a part of it).")
 @click.option("--slice", "slice_path", default=None, help="Slice GGUF from `moeswarm slice`.")
@@ -73,47 +106,36 @@ def _print_bootstrap(addrs: list[str]) -> None:
 @click.option("--layers", default=None, help="Layer range to host, e.g. 0-3 (default: all in the file).")
 @click.option("--experts", "experts_", default=None, help="Expert range to host, e.g. 0-31 (default: all in the file).")
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC dispatch (and reachability probes; with --relay use a routable or wildcard host, e.g. 0.0.0.0:0).")
-@click.option("--advertise", default=None, callback=_record_field(check_quic_addr), help="HOST:PORT to announce, if not the listen address (with --relay: only if the check finds this node public).")
+@click.option("--advertise", default=None, callback=record_field(check_quic_addr), help="HOST:PORT to announce, if not the listen address (with --relay: only if the check finds this node public).")
 @click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT.")
 @bootstrap_opt
 @click.option("--memory-budget", default=None, help="RAM the hosted experts may take (e.g. 512M): the worker refuses to start if they do not fit (see `moeswarm inspect`); with --kernel reference, above their float32 size they are dequantized on the fly.")
-@kernel_options
-@click.option("--price", default=0, show_default=True, help="Price per work unit, announced in the DHT record.")
-@click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
-@click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative).")
-@click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
-@click.option("--relay", default=None, callback=_record_field(check_relay_url), help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable. The worker then checks its reachability against the DHT's helpers: public -> it also announces a direct QUIC address; behind NAT -> only the relay, and backbones hole-punch to it (not behind a symmetric NAT).")
-@click.option("--reachability-recheck", "recheck_s", default=300.0, show_default=True, type=click.FloatRange(min=1), help="With --relay: seconds between reachability re-checks; a changed verdict is re-announced (e.g. after a port forward).")
-@click.option("--drain-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0), help="On SIGTERM/SIGINT: seconds to finish the dispatches in flight (after withdrawing the records, new ones are refused) before closing.")
-@click.option("--summary-interval", "summary_s", default=60.0, show_default=True, type=click.FloatRange(min=1), help="Seconds between the info lines that sum up what this worker served and earned (an interval with no dispatch prints none).")
-@click.option("--dispatch-delay", default=0.0, hidden=True, type=click.FloatRange(min=0), help="Test only: seconds every dispatch waits before computing.")
-@click.option("--relay-only", is_flag=True, help="With --relay: skip the check, announce only the relay address and answer no hole punch (every dispatch through the relay).")
-@click.option("--request-buffer", default="64M", show_default=True, help="Request bytes all peers together may make this worker hold (arriving or being computed); past it the stalest unfinished requests are reset, then new ones refused (OVERLOADED).")
-@click.option("--request-buffer-per-peer", default="16M", show_default=True, help="Request bytes one connection may make this worker hold (also the largest request it accepts); past it its new streams are refused (OVERLOADED).")
-@click.option("--max-streams-per-peer", default=64, show_default=True, type=click.IntRange(min=1), help="Request streams one connection may have open at once.")
-@click.option("--request-deadline", default=30.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds from a request's first byte to its end; a slower request is reset and freed.")
-@click.option("--max-in-flight", default=256, show_default=True, type=click.IntRange(min=1), help="Dispatches computed or queued at once, all peers; more get an OVERLOADED error reply.")
-@click.option("--max-in-flight-per-peer", default=32, show_default=True, type=click.IntRange(min=1), help="Dispatches computed or queued at once for one peer; more get an OVERLOADED error reply.")
-@relay_opts
-@http_opt
-@data_dir_opt
-@ready_opt
-def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, bootstrap_wait, memory_budget, kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, summary_s, dispatch_delay, relay_only, request_buffer, request_buffer_per_peer, max_streams_per_peer, request_deadline, max_in_flight, max_in_flight_per_peer, relay_ca, relay_keepalive, http_addr, data_dir, ready_file) -> None:
+@serving_options
+def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, advertise, dht_listen, bootstrap, bootstrap_wait, memory_budget, **serving) -> None:
     """Host expert slices: load, announce on the DHT, serve dispatches until Ctrl-C (then withdraw)."""
     if bool(model_path) == bool(slice_path):
         raise click.UsageError("give exactly one of --model and --slice")
     model = GGUFModel(model_path or slice_path)
     lr = parse_range(layers, model.cfg.n_layer, "layer") if layers else None
     er = parse_range(experts_, model.cfg.n_expert, "expert") if experts_ else None
+    start_worker(model, layers=lr, experts=ExpertRange(er.start, er.stop) if er else None, listen=parse_hostport(listen), advertise=advertise, dht_listen=dht_listen, bootstrap=bootstrap, bootstrap_wait=bootstrap_wait, memory_budget=parse_size(memory_budget) if memory_budget else None, model_digest=model_digest, **serving)
+
+
+def start_worker(model: GGUFModel, *, layers: range | None, experts: ExpertRange | None, listen: tuple[str, int], advertise: str | None, dht_listen: str, bootstrap: Sequence[str], memory_budget: int | None, model_digest: str | None = None, on_ready: Callable[[WorkerNode], None] | None = None, bootstrap_wait: float = BOOTSTRAP_WAIT,
+                 kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, summary_s, request_buffer, request_buffer_per_peer, max_streams_per_peer, request_deadline, max_in_flight, max_in_flight_per_peer,
+                 relay_ca, relay_keepalive, http_addr, data_dir, ready_file) -> None:
+    """Run a worker until it is stopped: what `worker` and `join` both end in, given the parts to host."""
+    if relay_only and not relay:
+        raise click.UsageError("--relay-only needs --relay URL")
     opts = WorkerOptions(
         model=model.path,
-        layers=lr,
-        experts=ExpertRange(er.start, er.stop) if er else None,
-        listen=parse_hostport(listen),
+        layers=layers,
+        experts=experts,
+        listen=listen,
         dht_listen=dht_listen,
         bootstrap=bootstrap,
         bootstrap_wait=bootstrap_wait,
-        memory_budget=parse_size(memory_budget) if memory_budget else None,
+        memory_budget=memory_budget,
         kernel=kernel_name,
         threads=thread_count(threads),
         price=price,
@@ -132,11 +154,15 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
         max_in_flight_per_peer=max_in_flight_per_peer,
         summary_s=summary_s,
     )
-    if relay_only and not relay:
-        raise click.UsageError("--relay-only needs --relay URL")
     home = node_dir(data_dir, "worker")
     ident = load_identity(home)
-    asyncio.run(run_worker(ident, opts, ready_file, None if no_ledger else home / FILENAME, http=parse_hostport(http_addr) if http_addr else None))
+    http = parse_hostport(http_addr) if http_addr else None
+    with progress.bars(progress.wanted()) as shown:
+        try:
+            asyncio.run(run_worker(ident, opts, ready_file, None if no_ledger else home / FILENAME, http=http, progress=shown, on_ready=on_ready))
+        except KeyboardInterrupt:
+            click.echo("worker stopped: interrupted", err=True)
+            sys.exit(130)
 
 
 def _serve_limits(buffer: str, per_peer: str, streams: int, deadline: float) -> ServeLimits:

@@ -76,6 +76,38 @@ class Coverage:
         return {"model": self.model, "n_layer": self.n_layer, "n_expert": self.n_expert, "at": self.at, "lacking_layers": self.lacking, "cells": [asdict(c) for c in self.cells]}
 
 
+@dataclass(frozen=True)
+class HostSummary:
+    """One host as the coverage map shows it: the layers it serves and, on each, its expert ranges."""
+
+    view: HostView
+    ranges: dict[int, tuple[tuple[int, int], ...]]  # layer -> merged [start, stop) ranges
+
+    def to_json(self) -> dict:
+        return {**asdict(self.view), "layers": sorted(self.ranges), "expert_ranges": {str(layer): [list(r) for r in rs] for layer, rs in sorted(self.ranges.items())}}
+
+
+def host_summaries(coverage: Coverage) -> list[HostSummary]:
+    """Per host (by peer id), the pieces of the map it serves merged back into ranges."""
+    pieces: dict[str, dict[int, list[tuple[int, int]]]] = {}
+    for cell in coverage.cells:
+        for h in cell.hosts:
+            pieces.setdefault(h.peer, {}).setdefault(cell.layer, []).append((cell.start, cell.stop))
+    out = []
+    for peer, by_layer in sorted(pieces.items()):
+        merged: dict[int, tuple[tuple[int, int], ...]] = {}
+        for layer, spans in by_layer.items():
+            runs: list[tuple[int, int]] = []
+            for start, stop in sorted(spans):
+                if runs and runs[-1][1] == start:
+                    runs[-1] = (runs[-1][0], stop)
+                else:
+                    runs.append((start, stop))
+            merged[layer] = tuple(runs)
+        out.append(HostSummary(coverage.peers[peer], merged))
+    return out
+
+
 def announced_paths(record: HostRecord) -> str:
     h = record.hosted
     return "+".join(name for name, present in (("direct", h.quic_addr), ("relay", h.relay)) if present) or "none"

@@ -10,17 +10,19 @@ drains: withdraw the records, refuse new dispatches, finish those in flight with
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Self, TypeVar
 
 import structlog
 
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.hosting import open_experts
 from experts.kernels import make_kernel
+from experts.moe import Progress
 from experts.slices import check_slice
 from node.backbone.routing import scarcity_price
 from node.ledger.sink import LedgerSink
@@ -74,6 +76,15 @@ class WorkerOptions:
     summary_s: float = 60.0  # seconds between "worker.summary" lines (none for a quiet interval)
 
 
+T = TypeVar("T")
+PhaseProgress = Callable[[str, int, int], None]
+"""Hears (phase, steps done, steps in all) while a worker loads: "self-testing the kernel", "loading experts"."""
+
+
+class LoadCancelled(Exception):
+    """Raised on the warming thread to stop it; nobody awaits it any more by then."""
+
+
 WITHDRAW_TIMEOUT_S = 10.0  # past it shutdown goes on; the records then expire on their own
 
 
@@ -81,10 +92,11 @@ class WorkerNode:
     """One worker process: ``async with WorkerNode(...) as node`` loads, serves and announces; ``drain()`` stops
     it gracefully; leaving the block closes every resource in reverse order of set-up."""
 
-    def __init__(self, identity: Identity, opts: WorkerOptions, ledger_path: Path | None = None) -> None:
+    def __init__(self, identity: Identity, opts: WorkerOptions, ledger_path: Path | None = None, progress: PhaseProgress | None = None) -> None:
         self.identity = identity
         self.opts = opts
         self.ledger_path = ledger_path
+        self.progress = progress  # hears the load's steps, phase by phase (the CLI draws bars on a terminal)
         self.lifecycle = Lifecycle()
         self.reachability = "unchecked"
         self._stack = AsyncExitStack()
@@ -112,12 +124,12 @@ class WorkerNode:
         check_free("TCP", *parse_listen(opts.dht_listen), "the DHT")
         await check_bootstrap(opts.bootstrap, opts.bootstrap_wait)
         log.info("worker.loading", model=model.path.name, layers=_span(opts.layers), experts=str(opts.experts) if opts.experts else "all", kernel=opts.kernel)
-        kernel = await asyncio.to_thread(make_kernel, opts.kernel, opts.threads)  # KernelError: refuse to serve
+        kernel = await self._in_thread("self-testing the kernel", lambda progress: make_kernel(opts.kernel, opts.threads, progress=progress))  # KernelError: refuse to serve
         store, self.plan = open_experts(model, kernel, opts.layers, opts.experts, memory_budget=opts.memory_budget)  # refuses what does not fit, before reading it
         self.store = store
         if model.is_slice:
-            await asyncio.to_thread(check_slice, model, opts.model_digest)
-        await asyncio.to_thread(store.warm)  # announce only once dispatches are served at full speed
+            await self._in_thread("checking the slice", lambda progress: check_slice(model, opts.model_digest, progress))
+        await self._in_thread("loading experts", store.warm)  # announce only once dispatches are served at full speed
         self.ledger = LedgerSink(self.ledger_path, "worker", identity) if self.ledger_path else None
         if self.ledger:
             stack.callback(self.ledger.close)
@@ -163,6 +175,25 @@ class WorkerNode:
         if opts.price:
             self._spawn(self._reprice())
         self._spawn(self._summarize())
+
+    async def _in_thread(self, phase: str, work: Callable[[Progress], T]) -> T:
+        """Run ``work(progress)`` on a thread that stops at its next progress step once this task is cancelled
+        (Ctrl-C while loading): a thread cannot be interrupted, and ``asyncio.run`` waits for it before exiting."""
+        log.info("worker.load_phase", phase=phase)
+        cancelled = threading.Event()
+
+        def step(done: int, total: int) -> None:
+            if cancelled.is_set():
+                log.info("worker.load_cancelled", phase=phase, done=done, total=total)
+                raise LoadCancelled(f"{phase} was cancelled")
+            if self.progress:
+                self.progress(phase, done, total)
+
+        try:
+            return await asyncio.to_thread(work, step)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
 
     def ready_info(self) -> dict:
         """What the ready file publishes: how launchers and tests reach this worker."""
@@ -271,15 +302,18 @@ def _span(layers: range | None) -> str:
     return f"{layers.start}-{layers.stop - 1}" if layers else "all"
 
 
-async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None, *, http: tuple[str, int] | None = None) -> None:
+async def run_worker(identity: Identity, opts: WorkerOptions, ready_file: str | None, ledger_path: Path | None = None, *, http: tuple[str, int] | None = None, progress: PhaseProgress | None = None, on_ready: Callable[[WorkerNode], None] | None = None) -> None:
     """Load the slice, serve dispatches, announce until SIGINT/SIGTERM, then drain and close (a second signal
-    during the drain ends the process at once: the handlers are gone by then)."""
+    during the drain ends the process at once: the handlers are gone by then). *progress* hears the load's steps;
+    *on_ready* is called once the node serves and is announced."""
     status = NodeStatus("worker", str(identity.peer_id), phase=Phase.LOADING, ledger_path=ledger_path)
-    async with serve_status(http, status), WorkerNode(identity, opts, ledger_path) as node:
+    async with serve_status(http, status), WorkerNode(identity, opts, ledger_path, progress) as node:
         status.worker, status.discovery, status.model = node.worker, node.dht, model_shape(node.model)
         status.info = {"addresses": f"quic {node.addr or '-'}" + (f", relay {opts.relay}" if opts.relay else "") + f" ({node.reachability})", "slices": f"layers {node.store.layers.start}-{node.store.layers.stop - 1}, experts {node.store.experts.start}-{node.store.experts.stop - 1}"}
         status.phase = Phase.SERVING
         write_ready(ready_file, {**node.ready_info(), "http_addr": status.http_addr})
+        if on_ready:
+            on_ready(node)
         await until_stopped()
         status.phase = Phase.DRAINING
         await node.drain()

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from node.backbone.dispatch import DispatchRecord, DispatchStats
 from node.gateway.server import Gateway
-from node.status.coverage import Phase, Seen, build_coverage, readiness
+from node.status.coverage import Phase, Seen, build_coverage, host_summaries, readiness
 from node.status.metrics import RecordTail
 from node.status.page import render
 from node.status.server import ModelShape, NodeStatus, add_routes
@@ -38,6 +38,15 @@ def test_coverage_cuts_each_layer_at_every_announced_boundary_and_shows_gaps():
     assert cov.lacking == [1]
     assert cov.peers[b].announced == "relay" and cov.peers[a].announced == "direct"
     assert cov.peers[a].seen == Seen("direct", 1.5)
+
+
+def test_host_summaries_merge_the_cells_back_into_each_hosts_ranges():
+    """A host cut into several cells by others' boundaries is shown with the ranges it announced, per layer."""
+    records = {0: [record(A, 0, ((0, 16),)), record(B, 0, ((8, 32),))], 1: [record(A, 1, ((0, 4), (20, 32)))]}
+    hosts = {h.view.peer: h for h in host_summaries(build_coverage(DIGEST, 2, 32, records, 1500.0))}
+    assert hosts[str(A.peer_id)].ranges == {0: ((0, 16),), 1: ((0, 4), (20, 32))}
+    assert hosts[str(B.peer_id)].ranges == {0: ((8, 32),)}
+    assert hosts[str(A.peer_id)].to_json()["expert_ranges"] == {"0": [[0, 16]], "1": [[0, 4], [20, 32]]}
 
 
 def test_readiness_names_the_phase_or_the_layers_lacking_hosts():
