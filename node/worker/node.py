@@ -19,6 +19,7 @@ from typing import Self, TypeVar
 
 import structlog
 
+from experts.errors import MoeSwarmError
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.hosting import open_experts
 from experts.kernels import make_kernel
@@ -81,7 +82,7 @@ PhaseProgress = Callable[[str, int, int], None]
 """Hears (phase, steps done, steps in all) while a worker loads: "self-testing the kernel", "loading experts"."""
 
 
-class LoadCancelled(Exception):
+class LoadCancelled(MoeSwarmError):
     """Raised on the warming thread to stop it; nobody awaits it any more by then."""
 
 
