@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arch import EXPERT_BIASES, FUSED_GATE_UP, Activation
+from .arch import EXPERT_BIASES, FUSED_GATE_UP
 from .errors import SliceError
 from .gguf_model import ExpertRange, GGUFModel
 from .kernels import ExpertBias, Kernel, KernelIdentity, QuantWeight
-from .moe import Biases, ExpertSource, Progress, ordered_sum
-from .slices import hosted_part
+from .moe import Progress, ordered_sum
+from .slices import HostedExperts, hosted_part
 
 
-class PackedExperts(ExpertSource):
+class PackedExperts(HostedExperts):
     """The experts of *layers* x *experts* of a GGUF model or slice, computed in place by *kernel*."""
 
     def __init__(self, model: GGUFModel, kernel: Kernel, layers: range | None = None, experts: ExpertRange | None = None) -> None:
@@ -32,9 +32,6 @@ class PackedExperts(ExpertSource):
         self.layers, self.experts = hosted_part(model, layers, experts)
         self._stacks: dict[int, tuple[QuantWeight, QuantWeight, QuantWeight]] = {}
         self._biases: dict[int, ExpertBias | None] = {}
-
-    def holds(self, layer: int, expert: int) -> bool:
-        return layer in self.layers and self.model.cfg.is_moe(layer) and expert in self.experts
 
     @property
     def identity(self) -> KernelIdentity:
@@ -75,15 +72,6 @@ class PackedExperts(ExpertSource):
             m = self.model
             self._biases[layer] = ExpertBias(*(m.dense(f"blk.{layer}.{b}") for b in EXPERT_BIASES)) if m.cfg.spec.expert_bias else None
         return self._biases[layer]
-
-    @property
-    def activation(self) -> Activation:
-        return self.model.cfg.spec.expert_act
-
-    def biases(self, layer: int, expert: int) -> Biases | None:
-        if not self.holds(layer, expert):
-            raise SliceError(f"expert {expert} of layer {layer} is not hosted here")
-        return self.model.expert_biases(layer, expert)
 
     def ffn(self, layer: int, x: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """The FFN of expert ``experts[i]`` (global index) on row ``x[i]``, for every row."""

@@ -117,7 +117,23 @@ def hosted_part(model: GGUFModel, layers: range | None, experts: ExpertRange | N
     return layers, experts
 
 
-class ExpertStore(ExpertSource):
+class HostedExperts(ExpertSource):
+    """What every source of a GGUF file's hosted experts answers the same way, whatever kernel computes them."""
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return layer in self.layers and self.model.cfg.is_moe(layer) and expert in self.experts
+
+    @property
+    def activation(self) -> Activation:
+        return self.model.cfg.spec.expert_act
+
+    def biases(self, layer: int, expert: int) -> Biases | None:
+        if not self.holds(layer, expert):
+            raise SliceError(f"expert {expert} of layer {layer} is not hosted here")
+        return self.model.expert_biases(layer, expert)
+
+
+class ExpertStore(HostedExperts):
     """The experts a node hosts, from a full model or a slice, through the numpy reference numerics.
 
     With *cache* it keeps each expert dequantized to float32 after its first use ("cached";
@@ -134,18 +150,6 @@ class ExpertStore(ExpertSource):
         self.mode = "cached" if cache else "on-the-fly"
         self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         log.debug("experts.opened", path=str(model.path), layers=f"{self.layers.start}-{self.layers.stop - 1}", experts=str(self.experts), mode=self.mode)
-
-    def holds(self, layer: int, expert: int) -> bool:
-        return layer in self.layers and self.model.cfg.is_moe(layer) and expert in self.experts
-
-    @property
-    def activation(self) -> Activation:
-        return self.model.cfg.spec.expert_act
-
-    def biases(self, layer: int, expert: int) -> Biases | None:
-        if not self.holds(layer, expert):
-            raise SliceError(f"expert {expert} of layer {layer} is not hosted here")
-        return self.model.expert_biases(layer, expert)
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.holds(layer, expert):
