@@ -62,6 +62,7 @@ class NodeStatus:
     coverage: Coverage | None = None
     http_addr: str | None = None
     collector: NodeCollector = field(init=False)
+    _last_round: dict[int, list[Any]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.collector = NodeCollector(self)
@@ -95,7 +96,10 @@ class NodeStatus:
             return
         m = self.model
         found = await asyncio.gather(*(self.discovery.lookup(m.digest, layer, fresh=True) for layer in range(m.n_layer)))
-        self.coverage = build_coverage(m.digest, m.n_layer, m.n_expert, dict(enumerate(found)), time.time(), self._seen())
+        now = time.time()
+        rounds = {layer: with_last_round(records, self._last_round.get(layer, ()), now) for layer, records in enumerate(found)}
+        self._last_round = dict(enumerate(found))
+        self.coverage = build_coverage(m.digest, m.n_layer, m.n_expert, rounds, now, self._seen())
 
     def _seen(self) -> dict[str, Seen]:
         if self.remote is None:
@@ -117,6 +121,14 @@ class NodeStatus:
             except Exception as exc:  # the DHT thread closing, a lookup timeout: the page keeps the last map
                 log.warning("status.refresh_failed", error=repr(exc))
             await asyncio.sleep(self.refresh_s)
+
+
+def with_last_round(records: list[Any], last: Any, now: float) -> list[Any]:
+    """This round's host records plus the previous round's still-live ones it missed: one lookup that timed out
+    on a busy node (or a ping that came back late) must not flip /readyz to 503 for a host that is there. A host
+    that left drops out one round later (a withdrawn host's tombstone hides it from both rounds' next lookups)."""
+    seen = {r.peer_id for r in records}
+    return records + [r for r in last if r.peer_id not in seen and r.is_live(now)]
 
 
 def ledger_totals(path: Path) -> LedgerTotals | None:

@@ -182,18 +182,22 @@ class WorkerNode:
         (Ctrl-C while loading): a thread cannot be interrupted, and ``asyncio.run`` waits for it before exiting."""
         log.info("worker.load_phase", phase=phase)
         cancelled = threading.Event()
+        reached: list[int | None] = [0, None]  # the last step the thread reported: (done, total)
 
         def step(done: int, total: int) -> None:
             if cancelled.is_set():
-                log.info("worker.load_cancelled", phase=phase, done=done, total=total)
                 raise LoadCancelled(f"{phase} was cancelled")
+            reached[:] = [done, total]
             if self.progress:
                 self.progress(phase, done, total)
 
         try:
             return await asyncio.to_thread(work, step)
         except asyncio.CancelledError:
+            # Logged here, not in the thread: a cancel that comes before the executor picked the work up means the
+            # work never runs (its future is cancelled first), so the thread would never say anything.
             cancelled.set()
+            log.info("worker.load_cancelled", phase=phase, done=reached[0], total=reached[1])
             raise
 
     def ready_info(self) -> dict:

@@ -57,7 +57,6 @@ def slow_model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("slow"), "qwen3moe", qtype=gguf.GGMLQuantizationType.Q4_0, n_expert=512, n_layer=16, n_embd=64, n_ff_exp=32)
 
 
-@pytest.mark.xfail(reason="after merging the new logging/bootstrap checks the worker.load_cancelled line is missing: to be investigated (closing note of 2026-12-02)", strict=False)
 def test_ctrl_c_while_loading_stops_at_once_with_one_line(tmp_path, slow_model):
     """SIGINT while the worker loads its experts ends it before the load finished (the loading thread stops at its
     next step instead of running to the end): exit 130, one line of its own on stderr, no traceback."""
@@ -76,8 +75,9 @@ def test_ctrl_c_while_loading_stops_at_once_with_one_line(tmp_path, slow_model):
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, rest
-    stopped = re.search(r"worker.load_cancelled +done=(\d+) phase='loading experts' total=(\d+)", rest)
-    assert stopped and int(stopped[1]) < int(stopped[2]), rest
+    stopped = re.search(r"worker.load_cancelled +done=(\d+) phase='loading experts' total=(\d+|None)", rest)
+    assert stopped, rest  # total None: cancelled before the loading thread took its first step
+    assert stopped[2] == "None" and stopped[1] == "0" or int(stopped[1]) < int(stopped[2]), rest
     mine = [line for line in rest.splitlines() if "[info" not in line]
     assert mine == ["worker stopped: interrupted"], rest
     assert "Traceback" not in rest and "worker.ready" not in "".join(seen) + rest

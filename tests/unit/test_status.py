@@ -49,6 +49,32 @@ def test_host_summaries_merge_the_cells_back_into_each_hosts_ranges():
     assert hosts[str(A.peer_id)].to_json()["expert_ranges"] == {"0": [[0, 16]], "1": [[0, 4], [20, 32]]}
 
 
+def test_one_lookup_that_misses_a_host_does_not_make_the_node_unready():
+    """A lookup round that comes back without a live host (a timeout on a busy node) keeps it one more round;
+    the next round without it drops it, and an expired record is never kept."""
+    import time
+
+    now = int(time.time())
+    live = HostRecord(A.peer_id, HostedSlice(DIGEST, 0, ((0, 32),), quic_addr="127.0.0.1:1"), now - 10, now + 600, 1)
+    answers = [[live], [], []]
+
+    class Discovery:
+        async def lookup(self, digest, layer, *, fresh=False):
+            return answers.pop(0)
+
+    status = NodeStatus("gateway", "p", Phase.SERVING, ModelShape(DIGEST, 1, 32, 0), Discovery(), needs_swarm=True)
+    verdicts = []
+    for _ in range(3):
+        asyncio.run(status.refresh())
+        verdicts.append(status.not_ready())
+    assert verdicts == [None, None, "layers 0 lack hosts for some experts"]
+    expired = HostRecord(A.peer_id, live.hosted, now - 700, now - 100, 1)
+    answers[:] = [[expired], []]
+    asyncio.run(status.refresh())
+    asyncio.run(status.refresh())
+    assert status.not_ready() == "layers 0 lack hosts for some experts"
+
+
 def test_readiness_names_the_phase_or_the_layers_lacking_hosts():
     """Only a serving node is ready; one that needs the swarm also needs every layer fully hosted."""
     full = build_coverage(DIGEST, 1, 32, {0: [record(A, 0, ((0, 32),))]}, 0.0)
