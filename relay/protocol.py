@@ -25,7 +25,7 @@ frames. Every decode error is a ``FrameError``; lengths are checked before anyth
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import ClassVar, Self
 
@@ -251,42 +251,40 @@ class Error(_TextFrame):
     TYPE: ClassVar[FrameType] = FrameType.ERROR
 
 
+class _PacketFrame:
+    """A peer id and one QUIC packet: the two directions differ only in whose id it is (the first field)."""
+
+    TYPE: ClassVar[FrameType]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        _need_packet(self.data)
+
+    def encode(self) -> bytes:
+        peer: PeerId = getattr(self, fields(self)[0].name)  # type: ignore[arg-type]  # subclasses are dataclasses
+        return b"".join((bytes((self.TYPE,)), peer.public_bytes, self.data))
+
+    @classmethod
+    def decode_body(cls, body: bytes) -> Self:
+        return cls(*_split_packet(cls.TYPE, body))  # type: ignore[call-arg]  # (peer, data): the subclass's fields
+
+
 @dataclass(frozen=True)
-class SendPacket:
+class SendPacket(_PacketFrame):
     """Client -> relay: deliver ``data`` to ``dst``."""
 
     TYPE: ClassVar[FrameType] = FrameType.SEND_PACKET
     dst: PeerId
     data: bytes
 
-    def __post_init__(self) -> None:
-        _need_packet(self.data)
-
-    def encode(self) -> bytes:
-        return b"".join((bytes((self.TYPE,)), self.dst.public_bytes, self.data))
-
-    @classmethod
-    def decode_body(cls, body: bytes) -> SendPacket:
-        return cls(*_split_packet(cls.TYPE, body))
-
 
 @dataclass(frozen=True)
-class RecvPacket:
+class RecvPacket(_PacketFrame):
     """Relay -> client: ``src`` (authenticated by the relay) sent you ``data``."""
 
     TYPE: ClassVar[FrameType] = FrameType.RECV_PACKET
     src: PeerId
     data: bytes
-
-    def __post_init__(self) -> None:
-        _need_packet(self.data)
-
-    def encode(self) -> bytes:
-        return b"".join((bytes((self.TYPE,)), self.src.public_bytes, self.data))
-
-    @classmethod
-    def decode_body(cls, body: bytes) -> RecvPacket:
-        return cls(*_split_packet(cls.TYPE, body))
 
 
 @dataclass(frozen=True)
