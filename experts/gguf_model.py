@@ -79,7 +79,9 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
             raise ModelFormatError(f"{a}expert_shared_count is 0: {arch} models have a shared expert (llama.cpp's graph assumes one)")
         n_ff_shexp = n_ff_exp * n_shared
     elif spec.shared_expert is not SharedExpert.NONE:
-        n_ff_shexp = int(opt("expert_shared_feed_forward_length", 0)) or int(_field(reader, a + "feed_forward_length"))
+        n_ff_shexp = int(opt("expert_shared_feed_forward_length", 0))
+        if not n_ff_shexp and not spec.shexp_key_only:
+            n_ff_shexp = int(_field(reader, a + "feed_forward_length"))
     n_dense_lead = int(opt("leading_dense_block_count", 0)) if spec.dense_lead else 0
     head_dim = int(opt("attention.key_length", n_embd // n_head))
     n_rot = int(opt("rope.dimension_count", head_dim))
@@ -97,6 +99,10 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         swa_period = opt("attention.sliding_window_pattern", spec.swa_period)
         if not isinstance(swa_period, int):  # llama.cpp's get_key_or_arr into one period: a per-layer array is another arch's
             raise ModelFormatError(f"{a}attention.sliding_window_pattern must be one period for {arch}, not a per-layer array")
+    for key, only in spec.fixed_keys:
+        got = _field(reader, a + key)
+        if only is not None and got != only:
+            raise ModelFormatError(f"{a}{key} is {got}; {arch} runs only with {only} (the one value llama.cpp's {arch} graph computes correctly)")
     scaling = str(opt("rope.scaling.type", "none"))
     if scaling not in ("none", "yarn"):
         raise ModelFormatError(f"{a}rope.scaling.type is {scaling!r}; supported: none, yarn")
@@ -243,7 +249,7 @@ class GGUFModel:
                 f"tokenizer.ggml.tokens has {cfg.n_vocab} tokens but token_embd.weight has {want['token_embd.weight'][0]} rows"
             )
         if cfg.spec.mha_only and cfg.n_head_kv != cfg.n_head:
-            raise ModelFormatError(f"{cfg.arch} needs as many KV heads as heads (llama.cpp norms the whole K with an n_embd-wide weight); got {cfg.n_head_kv} of {cfg.n_head}")
+            raise ModelFormatError(f"{cfg.arch} needs as many KV heads as heads (llama.cpp sizes its K for n_head heads); got {cfg.n_head_kv} of {cfg.n_head}")
 
     def _optional_mtp(self, name: str) -> bool:
         """An MTP block's optional tensors (its own embedding / head): loaded by llama.cpp if present, never run."""

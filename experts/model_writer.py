@@ -90,6 +90,18 @@ def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 1 or name.endswith((".bias", "ffn_gate_inp.weight"))
 
 
+def imrope_sections(cfg: ModelConfig) -> list[int]:
+    """IMROPE's time/height/width split of the rotated pairs in Qwen3-VL's proportions (24/20/20/0 of 64); a text
+    forward never sees it (all sections hold the token's position), but llama.cpp requires the key."""
+    pairs = cfg.rope_dim // 2
+    hw = pairs * 5 // 16
+    return [pairs - 2 * hw, hw, hw, 0]
+
+
+# What the writer stores under an ArchSpec.fixed_keys key that accepts any value.
+FIXED_KEY_VALUES = {"rope.dimension_sections": imrope_sections}
+
+
 def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     """The architecture keys llama.cpp reads (shared by full models and slices).
 
@@ -139,6 +151,12 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
         if cfg.yarn_factor:
             w.add_rope_scaling_factor(cfg.yarn_factor)
         w.add_rope_scaling_orig_ctx_len(cfg.yarn_orig_ctx)
+    for key, only in spec.fixed_keys:
+        value = FIXED_KEY_VALUES[key](cfg) if only is None else only
+        if isinstance(value, list):
+            w.add_array(f"{cfg.arch}.{key}", value)
+        else:
+            w.add_uint32(f"{cfg.arch}.{key}", value)
 
 
 def write_model(
