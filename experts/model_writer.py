@@ -187,7 +187,8 @@ def write_model(
         w.add_token_scores(t.scores)
     if t.merges is not None:
         w.add_token_merges(t.merges)
-    w.add_bos_token_id(t.bos_id)
+    if t.bos_id is not None:
+        w.add_bos_token_id(t.bos_id)
     w.add_eos_token_id(t.eos_id)
     if t.unk_id is not None:
         w.add_unk_token_id(t.unk_id)
