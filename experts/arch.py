@@ -163,6 +163,7 @@ ARCHS: dict[str, ArchSpec] = {
         gating=None,
         gating_from_file=True,
         selection_bias=True,
+        fixed_keys=(("expert_feed_forward_length", None),),  # required by its loader, which shapes experts with n_ff
     ),
     # src/models/openai-moe.cpp: attention with q/k/v/o biases, per-head sinks, sliding window on even layers
     # (period 2 unless the file says), YaRN; router bias, top-k on logits then softmax over the selected;

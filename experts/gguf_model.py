@@ -93,6 +93,9 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         except ValueError:
             raise ModelFormatError(f"{a}expert_gating_func is {code}; supported: " + ", ".join(f"{g.value} ({g.name.lower()})" for g in Gating)) from None
     n_groups = int(opt("expert_group_count", 0))
+    n_group_used = int(_field(reader, a + "expert_group_used_count")) if n_groups > 1 else 0
+    if n_groups > 1 and not (n_expert % n_groups == 0 and 0 < n_group_used < n_groups < n_expert):  # llama.cpp asserts the same
+        raise ModelFormatError(f"{a}expert_group_count {n_groups} / expert_group_used_count {n_group_used} do not fit {n_expert} experts (llama.cpp needs 0 < used < groups < experts, groups dividing the experts)")
     n_swa = swa_period = 0
     if spec.swa_period:
         n_swa = int(_field(reader, a + "attention.sliding_window"))
@@ -107,6 +110,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     if scaling not in ("none", "yarn"):
         raise ModelFormatError(f"{a}rope.scaling.type is {scaling!r}; supported: none, yarn")
     yarn = scaling == "yarn"
+    n_ctx = int(_field(reader, a + "context_length"))  # llama.cpp refuses a file without it
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
         arch=arch,
@@ -122,7 +126,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         n_ff_shexp=n_ff_shexp,
         rms_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon", required=spec.requires_rms_eps, default=1e-5)),
         rope_theta=float(opt("rope.freq_base", 10000.0)),
-        context_length=int(opt("context_length", 2048)),
+        context_length=n_ctx,
         name=str(_field(reader, "general.name", required=False, default=arch)),
         n_nextn=n_nextn,
         n_dense_lead=n_dense_lead,
@@ -132,12 +136,12 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         norm_topk=bool(opt("expert_weights_norm", False)) if spec.norm_from_file else None,
         expert_weights_scale=float(opt("expert_weights_scale", 0.0)) if spec.scale_from_file else 0.0,
         n_expert_groups=n_groups if n_groups > 1 else 0,  # 1/1 (as GLM files say) means no grouping
-        n_group_used=int(opt("expert_group_used_count", 0)) if n_groups > 1 else 0,
+        n_group_used=n_group_used,
         n_swa=n_swa,
         swa_period=int(swa_period),
         rope_theta_swa=float(opt("rope.freq_base_swa", 0.0)) if n_swa else 0.0,
         yarn_factor=float(opt("rope.scaling.factor", 0.0)) if yarn else 0.0,  # absent: factor 1, YaRN changes nothing
-        yarn_orig_ctx=int(opt("rope.scaling.original_context_length", opt("context_length", 2048))) if yarn else 0,
+        yarn_orig_ctx=int(opt("rope.scaling.original_context_length", n_ctx)) if yarn else 0,
     )
 
 

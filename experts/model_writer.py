@@ -152,6 +152,8 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
             w.add_rope_scaling_factor(cfg.yarn_factor)
         w.add_rope_scaling_orig_ctx_len(cfg.yarn_orig_ctx)
     for key, only in spec.fixed_keys:
+        if only is None and key not in FIXED_KEY_VALUES:
+            continue  # one of the keys every model gets (above)
         value = FIXED_KEY_VALUES[key](cfg) if only is None else only
         if isinstance(value, list):
             w.add_array(f"{cfg.arch}.{key}", value)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -16,14 +18,15 @@ from experts.random_model import byte_level_tokenizer, random_config, random_ten
 ALL_ARCHS = sorted(ARCHS)
 
 
-def required_keys(spec: ArchSpec, n_dense_lead: int) -> set[str]:
+def required_keys(spec: ArchSpec, n_dense_lead: int, n_groups: int) -> set[str]:
     """The arch keys llama.cpp refuses a file without, as the table states them (without the arch prefix)."""
-    keys = {"embedding_length", "block_count", "attention.head_count", "expert_count", "expert_used_count", spec.n_ff_exp_key}
+    keys = {"context_length", "embedding_length", "block_count", "attention.head_count", "expert_count", "expert_used_count", spec.n_ff_exp_key}
     keys |= {"attention.layer_norm_rms_epsilon"} if spec.requires_rms_eps else set()
     keys |= {"expert_shared_count"} if spec.shexp_from_count else set()
     keys |= {"expert_gating_func"} if spec.gating is None else set()
     keys |= {"attention.sliding_window"} if spec.swa_period else set()
     keys |= {"feed_forward_length"} if n_dense_lead else set()
+    keys |= {"expert_group_used_count"} if n_groups > 1 else set()  # without it llama.cpp asserts, we masked every expert
     return keys | {key for key, _ in spec.fixed_keys}
 
 
@@ -44,7 +47,7 @@ def test_a_missing_key_is_named_in_one_line_or_has_llama_cpps_default(tmp_path, 
     full = tmp_path / "full.gguf"
     write_without(full, arch, "", monkeypatch)
     keys = [k for k in gguf.GGUFReader(full).fields if k.startswith(arch + ".") or k == "general.architecture"]
-    required = {arch + "." + k for k in required_keys(cfg.spec, cfg.n_dense_lead)} | {"general.architecture"}
+    required = {arch + "." + k for k in required_keys(cfg.spec, cfg.n_dense_lead, cfg.n_expert_groups)} | {"general.architecture"}
     assert required <= set(keys), required - set(keys)
     for key in keys:
         p = tmp_path / f"no-{key}.gguf"
@@ -71,3 +74,14 @@ def test_an_unknown_tensor_is_named_in_one_line(tmp_path, monkeypatch, arch, ten
         GGUFModel(p)
     msg = str(err.value)
     assert f"tensor {tensor} " in msg and "not one moeswarm reads" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("groups, used", [(4, 4), (4, 0), (3, 1), (8, 2)])
+def test_expert_groups_llama_cpp_cannot_run_are_refused(tmp_path, groups, used):
+    """Groups must divide the experts, number fewer than them, and keep 0 < used < groups (llama.cpp asserts it;
+    a used count of 0 would mask every expert)."""
+    cfg = dataclasses.replace(random_config("glm4moe", n_layer=3), n_expert_groups=groups, n_group_used=used)
+    p = tmp_path / "groups.gguf"
+    write_model(p, cfg, random_tensors(cfg), byte_level_tokenizer())
+    with pytest.raises(ModelFormatError, match="expert_group_count .* do not fit 8 experts"):
+        GGUFModel(p)
