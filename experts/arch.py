@@ -84,6 +84,9 @@ class ArchSpec:
     # text forward, each with the one value llama.cpp's graph can run (None: any; the writer's in model_writer)
     fixed_keys: tuple[tuple[str, int | None], ...] = ()
     shexp_key_only: bool = False  # a shared expert iff expert_shared_feed_forward_length > 0 (no feed_forward_length fallback)
+    shexp_unit_key: bool = False  # with shexp_from_count: the unit is expert_shared_feed_forward_length when set (bailingmoe2)
+    mtp_norms: tuple[str, ...] = ()  # (n_embd,) norms an MTP block must carry besides nextn.{eh_proj,enorm,hnorm}
+    fused_qkv: bool = False  # one attn_qkv (q_dim + 2 kv_dim, n_embd) instead of attn_q/k/v; llama.cpp needs q_dim == n_embd
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -240,6 +243,30 @@ ARCHS: dict[str, ArchSpec] = {
         optional_tensors=("exp_probs_b.bias",),
         fixed_keys=(("interleave_moe_layer_step", 1),),
         shexp_key_only=True,
+    ),
+    # src/models/bailingmoe2.cpp (Ling / Ring 2.0): fused attn_qkv, per-head q/k norm, partial NEOX RoPE, DeepSeek-V3's
+    # router from the file (expert_gating_func required), optional selection bias, leading dense layers, plain shared
+    # expert of expert_shared_count units, untied output; MTP blocks (with a layer_output_norm) are never run.
+    "bailingmoe2": ArchSpec(
+        name="bailingmoe2",
+        rope=RopeStyle.NEOX,
+        norm_topk=False,
+        shared_expert=SharedExpert.PLAIN,
+        qk_norm=QKNorm.PER_HEAD,
+        qkv_bias=False,
+        tied_output_allowed=False,
+        n_ff_exp_key="expert_feed_forward_length",
+        gating=None,
+        gating_from_file=True,
+        norm_from_file=True,
+        scale_from_file=True,
+        selection_bias=True,
+        dense_lead=True,
+        shexp_from_count=True,
+        optional_tensors=("exp_probs_b.bias",),
+        shexp_unit_key=True,
+        fused_qkv=True,
+        mtp_norms=("layer_output_norm.weight",),
     ),
 }
 

@@ -186,12 +186,13 @@ class Backbone:
             if moe and cfg.n_ff_shexp and self.spec.shared_expert is not SharedExpert.NONE:
                 gate = d(b + "ffn_gate_inp_shexp.weight") if self.spec.shared_expert is SharedExpert.SIGMOID_GATED else None
                 shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight"))
+            q, k, v = self._qkv(lin, b)
             self.layers.append(
                 Layer(
                     attn_norm=d(b + "attn_norm.weight"),
-                    wq=lin.linear(b + "attn_q.weight"),
-                    wk=lin.linear(b + "attn_k.weight"),
-                    wv=lin.linear(b + "attn_v.weight"),
+                    wq=q,
+                    wk=k,
+                    wv=v,
                     wo=lin.linear(b + "attn_output.weight"),
                     bq=opt(b + "attn_q.bias"),
                     bk=opt(b + "attn_k.bias"),
@@ -210,6 +211,13 @@ class Backbone:
             )
         self.router_params = cfg.router
         self.yarn = Yarn(cfg.yarn_factor, cfg.yarn_orig_ctx) if cfg.yarn_factor else None
+
+    def _qkv(self, lin, b: str) -> tuple[Linear, Linear, Linear]:
+        """The Q, K and V projections of layer *b*: three tensors, or three row ranges of a fused attn_qkv."""
+        if not self.spec.fused_qkv:
+            return lin.linear(b + "attn_q.weight"), lin.linear(b + "attn_k.weight"), lin.linear(b + "attn_v.weight")
+        q, kv = self.cfg.q_dim, self.cfg.kv_dim
+        return tuple(lin.linear(b + "attn_qkv.weight", slice(a, a + n)) for a, n in ((0, q), (q, kv), (q + kv, kv)))  # type: ignore[return-value]
 
     def attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
         cfg, L = self.cfg, self.layers[i]

@@ -77,7 +77,8 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         n_shared = int(_field(reader, a + "expert_shared_count"))
         if n_shared < 1:  # measured: llama.cpp's graph then computes another model (cosine ~0.93 to ours)
             raise ModelFormatError(f"{a}expert_shared_count is 0: {arch} models have a shared expert (llama.cpp's graph assumes one)")
-        n_ff_shexp = n_ff_exp * n_shared
+        unit = int(opt("expert_shared_feed_forward_length", 0)) if spec.shexp_unit_key else 0
+        n_ff_shexp = (unit or n_ff_exp) * n_shared
     elif spec.shared_expert is not SharedExpert.NONE:
         n_ff_shexp = int(opt("expert_shared_feed_forward_length", 0))
         if not n_ff_shexp and not spec.shexp_key_only:
@@ -252,6 +253,8 @@ class GGUFModel:
             raise ModelFormatError(
                 f"tokenizer.ggml.tokens has {cfg.n_vocab} tokens but token_embd.weight has {want['token_embd.weight'][0]} rows"
             )
+        if cfg.spec.fused_qkv and cfg.q_dim != cfg.n_embd:
+            raise ModelFormatError(f"{cfg.arch} needs n_head * head_dim == n_embd (llama.cpp sizes attn_qkv by n_embd); got {cfg.q_dim} != {cfg.n_embd}")
         if cfg.spec.mha_only and cfg.n_head_kv != cfg.n_head:
             raise ModelFormatError(f"{cfg.arch} needs as many KV heads as heads (llama.cpp sizes its K for n_head heads); got {cfg.n_head_kv} of {cfg.n_head}")
 

@@ -32,11 +32,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     for i in range(cfg.n_layer + cfg.n_nextn):
         b = f"blk.{i}."
+        if spec.fused_qkv:
+            shapes[b + "attn_qkv.weight"] = (cfg.q_dim + 2 * cfg.kv_dim, d)
+        else:
+            shapes |= {b + "attn_q.weight": (cfg.q_dim, d), b + "attn_k.weight": (cfg.kv_dim, d), b + "attn_v.weight": (cfg.kv_dim, d)}
         shapes |= {
             b + "attn_norm.weight": (d,),
-            b + "attn_q.weight": (cfg.q_dim, d),
-            b + "attn_k.weight": (cfg.kv_dim, d),
-            b + "attn_v.weight": (cfg.kv_dim, d),
             b + "attn_output.weight": (d, cfg.q_dim),
             b + spec.ffn_norm + ".weight": (d,),
         }
@@ -81,6 +82,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
         if i >= cfg.n_layer:
             shapes |= {b + "nextn.eh_proj.weight": (d, 2 * d), b + "nextn.enorm.weight": (d,), b + "nextn.hnorm.weight": (d,)}
+            shapes |= {b + norm: (d,) for norm in spec.mtp_norms}
     return shapes
 
 

@@ -66,6 +66,10 @@ _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!
 _QWEN2_RE = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# bailingmoe / bailingmoe2: Ling's regex as llama.cpp rewrites it (possessive quantifiers made greedy), one digit a word.
+_BAILINGMOE_RE = (
+    r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+)
 _LLAMA3_RE = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -99,6 +103,7 @@ _LLAMA3 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
 _GLM4 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, default_bos=False)
 _CHATGLM_BPE = PreTokenizer((_LLAMA3_RE,), default_bos=False)
 _GPT4O = PreTokenizer((_GPT4O_RE,))
+_BAILINGMOE = PreTokenizer((_BAILINGMOE_RE,))
 
 # Names llama.cpp maps to the same behaviour share a row.
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
@@ -116,6 +121,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "chatglm-bpe": _CHATGLM_BPE,
     "minimax-m2": _GPT4O,
     "gpt-4o": _GPT4O,  # gpt-oss
+    "bailingmoe": _BAILINGMOE,
+    "bailingmoe2": _BAILINGMOE,
 }
 SUPPORTED_MODELS = ("gpt2", "llama")
 
