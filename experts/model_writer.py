@@ -32,12 +32,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     for i in range(cfg.n_layer + cfg.n_nextn):
         b = f"blk.{i}."
+        # Insertion order is the random models' draw order: keep it, or every random model's weights (and digest) change.
+        shapes[b + "attn_norm.weight"] = (d,)
         if spec.fused_qkv:
             shapes[b + "attn_qkv.weight"] = (cfg.q_dim + 2 * cfg.kv_dim, d)
         else:
             shapes |= {b + "attn_q.weight": (cfg.q_dim, d), b + "attn_k.weight": (cfg.kv_dim, d), b + "attn_v.weight": (cfg.kv_dim, d)}
         shapes |= {
-            b + "attn_norm.weight": (d,),
             b + "attn_output.weight": (d, cfg.q_dim),
             b + spec.ffn_norm + ".weight": (d,),
         }
