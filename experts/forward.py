@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arch import QKNorm, RopeStyle, SharedExpert
-from .dense_weights import FFN, Linear, mm, weights_for
+from .dense_weights import FFN, DenseWeights, Linear, PackedWeights, mm, weights_for
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
 from .kernels import Kernel
@@ -212,12 +212,13 @@ class Backbone:
         self.router_params = cfg.router
         self.yarn = Yarn(cfg.yarn_factor, cfg.yarn_orig_ctx) if cfg.yarn_factor else None
 
-    def _qkv(self, lin, b: str) -> tuple[Linear, Linear, Linear]:
-        """The Q, K and V projections of layer *b*: three tensors, or three row ranges of a fused attn_qkv."""
+    def _qkv(self, lin: DenseWeights | PackedWeights, b: str) -> tuple[Linear, Linear, Linear]:
+        """The Q, K and V projections of layer *b*: three tensors, or three row ranges of a fused attn_qkv
+        (llama.cpp's build_qkv views the fused product the same way: Q rows, then K, then V)."""
         if not self.spec.fused_qkv:
             return lin.linear(b + "attn_q.weight"), lin.linear(b + "attn_k.weight"), lin.linear(b + "attn_v.weight")
-        q, kv = self.cfg.q_dim, self.cfg.kv_dim
-        return tuple(lin.linear(b + "attn_qkv.weight", slice(a, a + n)) for a, n in ((0, q), (q, kv), (q + kv, kv)))  # type: ignore[return-value]
+        q, kv, name = self.cfg.q_dim, self.cfg.kv_dim, b + "attn_qkv.weight"
+        return lin.linear(name, slice(0, q)), lin.linear(name, slice(q, q + kv)), lin.linear(name, slice(q + kv, q + 2 * kv))
 
     def attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
         cfg, L = self.cfg, self.layers[i]
