@@ -80,6 +80,13 @@ class ArchSpec:
     attn_out_bias: bool = False  # attn_output.bias (gpt-oss; required there)
     attn_sinks: bool = False  # attn_sinks.weight (n_head,): a per-head logit that joins every softmax, unscaled
     swa_period: int = 0  # > 0: attention.sliding_window is required; default period of the SWA layer pattern
+    # GGUF keys (without the arch prefix) llama.cpp refuses a file without but whose value changes nothing in a
+    # text forward, each with the one value llama.cpp's graph can run (None: any; the writer's in model_writer)
+    fixed_keys: tuple[tuple[str, int | None], ...] = ()
+    shexp_key_only: bool = False  # a shared expert iff expert_shared_feed_forward_length > 0 (no feed_forward_length fallback)
+    shexp_unit_key: bool = False  # with shexp_from_count: the unit is expert_shared_feed_forward_length when set (bailingmoe2)
+    mtp_norms: tuple[str, ...] = ()  # (n_embd,) norms an MTP block must carry besides nextn.{eh_proj,enorm,hnorm}
+    fused_qkv: bool = False  # one attn_qkv (q_dim + 2 kv_dim, n_embd) instead of attn_q/k/v; llama.cpp needs q_dim == n_embd
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -159,6 +166,7 @@ ARCHS: dict[str, ArchSpec] = {
         gating=None,
         gating_from_file=True,
         selection_bias=True,
+        fixed_keys=(("expert_feed_forward_length", None),),  # required by its loader, which shapes experts with n_ff
     ),
     # src/models/openai-moe.cpp: attention with q/k/v/o biases, per-head sinks, sliding window on even layers
     # (period 2 unless the file says), YaRN; router bias, top-k on logits then softmax over the selected;
@@ -180,6 +188,85 @@ ARCHS: dict[str, ArchSpec] = {
         attn_out_bias=True,
         attn_sinks=True,
         swa_period=2,
+    ),
+    # src/models/qwen3vlmoe.cpp: qwen3moe's graph with IMROPE, which rotates as NEOX when every section holds the
+    # token's position (a text batch); rope.dimension_sections is required. Deepstack only adds the zero padding of
+    # text embeddings. Qwen3-VL-30B-A3B / 235B-A22B, text part.
+    "qwen3vlmoe": ArchSpec(
+        name="qwen3vlmoe",
+        rope=RopeStyle.NEOX,
+        norm_topk=True,
+        shared_expert=SharedExpert.NONE,
+        qk_norm=QKNorm.PER_HEAD,
+        qkv_bias=False,
+        tied_output_allowed=True,
+        n_ff_exp_key="expert_feed_forward_length",
+        fixed_keys=(("rope.dimension_sections", None),),
+    ),
+    # src/models/dots1.cpp (rednote dots.llm1): qwen3-style attention with K/V sized for n_head heads, DeepSeek-V3's
+    # router from the file (gating required in practice: none aborts build_moe_ffn), optional selection bias,
+    # leading dense layers, plain shared expert of expert_shared_count widths, untied output.
+    "dots1": ArchSpec(
+        name="dots1",
+        rope=RopeStyle.NEOX,
+        norm_topk=False,
+        shared_expert=SharedExpert.PLAIN,
+        qk_norm=QKNorm.PER_HEAD,
+        qkv_bias=False,
+        tied_output_allowed=False,
+        n_ff_exp_key="expert_feed_forward_length",
+        gating=None,
+        gating_from_file=True,
+        norm_from_file=True,
+        scale_from_file=True,
+        selection_bias=True,
+        dense_lead=True,
+        shexp_from_count=True,
+        optional_tensors=("exp_probs_b.bias",),
+        mha_only=True,
+    ),
+    # src/models/ernie4-5-moe.cpp + ernie4-5.cpp (ERNIE-4.5 MoE): NORM RoPE, softmax with an optional selection
+    # bias, renorm hard-coded, no scale (expert_weights_scale is not read), leading dense layers, a plain shared
+    # expert only if expert_shared_feed_forward_length says so. interleave_moe_layer_step is required and must be 1:
+    # llama.cpp loads experts on every layer past the dense lead but would run them only on every step-th.
+    "ernie4_5-moe": ArchSpec(
+        name="ernie4_5-moe",
+        rope=RopeStyle.NORM,
+        norm_topk=True,
+        shared_expert=SharedExpert.PLAIN,
+        qk_norm=QKNorm.NONE,
+        qkv_bias=False,
+        tied_output_allowed=True,
+        n_ff_exp_key="expert_feed_forward_length",
+        selection_bias=True,
+        dense_lead=True,
+        optional_tensors=("exp_probs_b.bias",),
+        fixed_keys=(("interleave_moe_layer_step", 1),),
+        shexp_key_only=True,
+    ),
+    # src/models/bailingmoe2.cpp (Ling / Ring 2.0): fused attn_qkv, per-head q/k norm, partial NEOX RoPE, DeepSeek-V3's
+    # router from the file (expert_gating_func required), optional selection bias, leading dense layers, plain shared
+    # expert of expert_shared_count units, untied output; MTP blocks (with a layer_output_norm) are never run.
+    "bailingmoe2": ArchSpec(
+        name="bailingmoe2",
+        rope=RopeStyle.NEOX,
+        norm_topk=False,
+        shared_expert=SharedExpert.PLAIN,
+        qk_norm=QKNorm.PER_HEAD,
+        qkv_bias=False,
+        tied_output_allowed=False,
+        n_ff_exp_key="expert_feed_forward_length",
+        gating=None,
+        gating_from_file=True,
+        norm_from_file=True,
+        scale_from_file=True,
+        selection_bias=True,
+        dense_lead=True,
+        shexp_from_count=True,
+        optional_tensors=("exp_probs_b.bias",),
+        shexp_unit_key=True,
+        fused_qkv=True,
+        mtp_norms=("layer_output_norm.weight",),
     ),
 }
 

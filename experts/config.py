@@ -108,7 +108,7 @@ class TokenizerSpec:
     model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
     tokens: list[str]
     token_types: list[int]  # gguf.TokenType values
-    bos_id: int
+    bos_id: int | None  # None: no BOS (glm4's pre-types have no default and the file names none)
     eos_id: int
     pre: str = "default"
     scores: list[float] | None = None  # SPM

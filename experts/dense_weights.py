@@ -92,8 +92,9 @@ class DenseWeights:
     def __init__(self, model: GGUFModel) -> None:
         self.model = model
 
-    def linear(self, name: str) -> DenseLinear:
-        return DenseLinear(self.model.dense(name))
+    def linear(self, name: str, rows: slice = slice(None)) -> DenseLinear:
+        """The matrix *name*, or a range of its rows (one projection of a fused attn_qkv)."""
+        return DenseLinear(np.ascontiguousarray(self.model.dense(name)[rows]))
 
     def ffn(self, gate: str, up: str, down: str) -> DenseFFN:
         return DenseFFN(self.model.dense(gate), self.model.dense(up), self.model.dense(down))
@@ -112,8 +113,11 @@ class PackedWeights:
         data = m.raw(name)
         return QuantWeight(data.reshape(1, -1), m.qtype(name), (1, *shape)) if stack else QuantWeight(data, m.qtype(name), shape)
 
-    def linear(self, name: str) -> PackedLinear:
-        return PackedLinear(self._packed(name), self.kernel)
+    def linear(self, name: str, rows: slice = slice(None)) -> PackedLinear:
+        """The matrix *name*, or a range of its rows: whole rows of blocks, so a view of the same packed bytes."""
+        w = self._packed(name)
+        data = w.data[rows]
+        return PackedLinear(QuantWeight(data, w.qtype, (data.shape[0], w.shape[1])), self.kernel)
 
     def ffn(self, gate: str, up: str, down: str) -> PackedFFN:
         return PackedFFN(self._packed(gate, True), self._packed(up, True), self._packed(down, True), self.kernel)

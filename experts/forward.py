@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arch import QKNorm, RopeStyle, SharedExpert
-from .dense_weights import FFN, Linear, mm, weights_for
+from .dense_weights import FFN, DenseWeights, Linear, PackedWeights, mm, weights_for
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
 from .kernels import Kernel
@@ -186,12 +186,13 @@ class Backbone:
             if moe and cfg.n_ff_shexp and self.spec.shared_expert is not SharedExpert.NONE:
                 gate = d(b + "ffn_gate_inp_shexp.weight") if self.spec.shared_expert is SharedExpert.SIGMOID_GATED else None
                 shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight"))
+            q, k, v = self._qkv(lin, b)
             self.layers.append(
                 Layer(
                     attn_norm=d(b + "attn_norm.weight"),
-                    wq=lin.linear(b + "attn_q.weight"),
-                    wk=lin.linear(b + "attn_k.weight"),
-                    wv=lin.linear(b + "attn_v.weight"),
+                    wq=q,
+                    wk=k,
+                    wv=v,
                     wo=lin.linear(b + "attn_output.weight"),
                     bq=opt(b + "attn_q.bias"),
                     bk=opt(b + "attn_k.bias"),
@@ -210,6 +211,14 @@ class Backbone:
             )
         self.router_params = cfg.router
         self.yarn = Yarn(cfg.yarn_factor, cfg.yarn_orig_ctx) if cfg.yarn_factor else None
+
+    def _qkv(self, lin: DenseWeights | PackedWeights, b: str) -> tuple[Linear, Linear, Linear]:
+        """The Q, K and V projections of layer *b*: three tensors, or three row ranges of a fused attn_qkv
+        (llama.cpp's build_qkv views the fused product the same way: Q rows, then K, then V)."""
+        if not self.spec.fused_qkv:
+            return lin.linear(b + "attn_q.weight"), lin.linear(b + "attn_k.weight"), lin.linear(b + "attn_v.weight")
+        q, kv, name = self.cfg.q_dim, self.cfg.kv_dim, b + "attn_qkv.weight"
+        return lin.linear(name, slice(0, q)), lin.linear(name, slice(q, q + kv)), lin.linear(name, slice(q + kv, q + 2 * kv))
 
     def attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
         cfg, L = self.cfg, self.layers[i]

@@ -77,9 +77,12 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         n_shared = int(_field(reader, a + "expert_shared_count"))
         if n_shared < 1:  # measured: llama.cpp's graph then computes another model (cosine ~0.93 to ours)
             raise ModelFormatError(f"{a}expert_shared_count is 0: {arch} models have a shared expert (llama.cpp's graph assumes one)")
-        n_ff_shexp = n_ff_exp * n_shared
+        unit = int(opt("expert_shared_feed_forward_length", 0)) if spec.shexp_unit_key else 0
+        n_ff_shexp = (unit or n_ff_exp) * n_shared
     elif spec.shared_expert is not SharedExpert.NONE:
-        n_ff_shexp = int(opt("expert_shared_feed_forward_length", 0)) or int(_field(reader, a + "feed_forward_length"))
+        n_ff_shexp = int(opt("expert_shared_feed_forward_length", 0))
+        if not n_ff_shexp and not spec.shexp_key_only:
+            n_ff_shexp = int(_field(reader, a + "feed_forward_length"))
     n_dense_lead = int(opt("leading_dense_block_count", 0)) if spec.dense_lead else 0
     head_dim = int(opt("attention.key_length", n_embd // n_head))
     n_rot = int(opt("rope.dimension_count", head_dim))
@@ -91,16 +94,24 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         except ValueError:
             raise ModelFormatError(f"{a}expert_gating_func is {code}; supported: " + ", ".join(f"{g.value} ({g.name.lower()})" for g in Gating)) from None
     n_groups = int(opt("expert_group_count", 0))
+    n_group_used = int(_field(reader, a + "expert_group_used_count")) if n_groups > 1 else 0
+    if n_groups > 1 and not (n_expert % n_groups == 0 and 0 < n_group_used < n_groups < n_expert):  # llama.cpp asserts the same
+        raise ModelFormatError(f"{a}expert_group_count {n_groups} / expert_group_used_count {n_group_used} do not fit {n_expert} experts (llama.cpp needs 0 < used < groups < experts, groups dividing the experts)")
     n_swa = swa_period = 0
     if spec.swa_period:
         n_swa = int(_field(reader, a + "attention.sliding_window"))
         swa_period = opt("attention.sliding_window_pattern", spec.swa_period)
         if not isinstance(swa_period, int):  # llama.cpp's get_key_or_arr into one period: a per-layer array is another arch's
             raise ModelFormatError(f"{a}attention.sliding_window_pattern must be one period for {arch}, not a per-layer array")
+    for key, only in spec.fixed_keys:
+        got = _field(reader, a + key)
+        if only is not None and got != only:
+            raise ModelFormatError(f"{a}{key} is {got}; {arch} runs only with {only} (the one value llama.cpp's {arch} graph computes correctly)")
     scaling = str(opt("rope.scaling.type", "none"))
     if scaling not in ("none", "yarn"):
         raise ModelFormatError(f"{a}rope.scaling.type is {scaling!r}; supported: none, yarn")
     yarn = scaling == "yarn"
+    n_ctx = int(_field(reader, a + "context_length"))  # llama.cpp refuses a file without it
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
         arch=arch,
@@ -116,7 +127,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         n_ff_shexp=n_ff_shexp,
         rms_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon", required=spec.requires_rms_eps, default=1e-5)),
         rope_theta=float(opt("rope.freq_base", 10000.0)),
-        context_length=int(opt("context_length", 2048)),
+        context_length=n_ctx,
         name=str(_field(reader, "general.name", required=False, default=arch)),
         n_nextn=n_nextn,
         n_dense_lead=n_dense_lead,
@@ -126,12 +137,12 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         norm_topk=bool(opt("expert_weights_norm", False)) if spec.norm_from_file else None,
         expert_weights_scale=float(opt("expert_weights_scale", 0.0)) if spec.scale_from_file else 0.0,
         n_expert_groups=n_groups if n_groups > 1 else 0,  # 1/1 (as GLM files say) means no grouping
-        n_group_used=int(opt("expert_group_used_count", 0)) if n_groups > 1 else 0,
+        n_group_used=n_group_used,
         n_swa=n_swa,
         swa_period=int(swa_period),
         rope_theta_swa=float(opt("rope.freq_base_swa", 0.0)) if n_swa else 0.0,
         yarn_factor=float(opt("rope.scaling.factor", 0.0)) if yarn else 0.0,  # absent: factor 1, YaRN changes nothing
-        yarn_orig_ctx=int(opt("rope.scaling.original_context_length", opt("context_length", 2048))) if yarn else 0,
+        yarn_orig_ctx=int(opt("rope.scaling.original_context_length", n_ctx)) if yarn else 0,
     )
 
 
@@ -242,8 +253,10 @@ class GGUFModel:
             raise ModelFormatError(
                 f"tokenizer.ggml.tokens has {cfg.n_vocab} tokens but token_embd.weight has {want['token_embd.weight'][0]} rows"
             )
+        if cfg.spec.fused_qkv and cfg.q_dim != cfg.n_embd:
+            raise ModelFormatError(f"{cfg.arch} needs n_head * head_dim == n_embd (llama.cpp sizes attn_qkv by n_embd); got {cfg.q_dim} != {cfg.n_embd}")
         if cfg.spec.mha_only and cfg.n_head_kv != cfg.n_head:
-            raise ModelFormatError(f"{cfg.arch} needs as many KV heads as heads (llama.cpp norms the whole K with an n_embd-wide weight); got {cfg.n_head_kv} of {cfg.n_head}")
+            raise ModelFormatError(f"{cfg.arch} needs as many KV heads as heads (llama.cpp sizes its K for n_head heads); got {cfg.n_head_kv} of {cfg.n_head}")
 
     def _optional_mtp(self, name: str) -> bool:
         """An MTP block's optional tensors (its own embedding / head): loaded by llama.cpp if present, never run."""

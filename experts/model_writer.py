@@ -32,11 +32,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     for i in range(cfg.n_layer + cfg.n_nextn):
         b = f"blk.{i}."
+        # Insertion order is the random models' draw order: keep it, or every random model's weights (and digest) change.
+        shapes[b + "attn_norm.weight"] = (d,)
+        if spec.fused_qkv:
+            shapes[b + "attn_qkv.weight"] = (cfg.q_dim + 2 * cfg.kv_dim, d)
+        else:
+            shapes |= {b + "attn_q.weight": (cfg.q_dim, d), b + "attn_k.weight": (cfg.kv_dim, d), b + "attn_v.weight": (cfg.kv_dim, d)}
         shapes |= {
-            b + "attn_norm.weight": (d,),
-            b + "attn_q.weight": (cfg.q_dim, d),
-            b + "attn_k.weight": (cfg.kv_dim, d),
-            b + "attn_v.weight": (cfg.kv_dim, d),
             b + "attn_output.weight": (d, cfg.q_dim),
             b + spec.ffn_norm + ".weight": (d,),
         }
@@ -81,6 +83,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
         if i >= cfg.n_layer:
             shapes |= {b + "nextn.eh_proj.weight": (d, 2 * d), b + "nextn.enorm.weight": (d,), b + "nextn.hnorm.weight": (d,)}
+            shapes |= {b + norm: (d,) for norm in spec.mtp_norms}
     return shapes
 
 
@@ -88,6 +91,18 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 # norms, biases (the stacked expert biases too) and the router are tiny and precision-sensitive.
 def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 1 or name.endswith((".bias", "ffn_gate_inp.weight"))
+
+
+def imrope_sections(cfg: ModelConfig) -> list[int]:
+    """IMROPE's time/height/width split of the rotated pairs in Qwen3-VL's proportions (24/20/20/0 of 64); a text
+    forward never sees it (all sections hold the token's position), but llama.cpp requires the key."""
+    pairs = cfg.rope_dim // 2
+    hw = pairs * 5 // 16
+    return [pairs - 2 * hw, hw, hw, 0]
+
+
+# What the writer stores under an ArchSpec.fixed_keys key that accepts any value.
+FIXED_KEY_VALUES = {"rope.dimension_sections": imrope_sections}
 
 
 def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
@@ -139,6 +154,14 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
         if cfg.yarn_factor:
             w.add_rope_scaling_factor(cfg.yarn_factor)
         w.add_rope_scaling_orig_ctx_len(cfg.yarn_orig_ctx)
+    for key, only in spec.fixed_keys:
+        if only is None and key not in FIXED_KEY_VALUES:
+            continue  # one of the keys every model gets (above)
+        value = FIXED_KEY_VALUES[key](cfg) if only is None else only
+        if isinstance(value, list):
+            w.add_array(f"{cfg.arch}.{key}", value)
+        else:
+            w.add_uint32(f"{cfg.arch}.{key}", value)
 
 
 def write_model(
@@ -169,7 +192,8 @@ def write_model(
         w.add_token_scores(t.scores)
     if t.merges is not None:
         w.add_token_merges(t.merges)
-    w.add_bos_token_id(t.bos_id)
+    if t.bos_id is not None:
+        w.add_bos_token_id(t.bos_id)
     w.add_eos_token_id(t.eos_id)
     if t.unk_id is not None:
         w.add_unk_token_id(t.unk_id)

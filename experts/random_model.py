@@ -58,11 +58,17 @@ def byte_level_tokenizer() -> TokenizerSpec:
 # implements for the arch is exercised: glm4moe gets a dense lead layer, a trailing MTP block,
 # half-width RoPE, a scaled renormalised router with expert groups; minimax-m2 half-width RoPE; gpt-oss a
 # 4-token window on its SWA layers with their own RoPE base, and YaRN (factor 32, as the real models) over an
-# original context of 64, so the ramp between interpolated and extrapolated frequencies falls inside the head.
+# original context of 64, so the ramp between interpolated and extrapolated frequencies falls inside the head;
+# dots1 glm4moe's router (from the file, with groups) and a dense lead; ernie4_5-moe a dense lead and groups (its
+# shared expert and optional selection bias are on by default); bailingmoe2 dots1's plus half-width RoPE and an MTP
+# block. qwen3vlmoe needs nothing beyond qwen3moe's.
 RANDOM_FEATURES: dict[str, dict] = {
     "glm4moe": {"n_dense_lead": 1, "n_nextn": 1, "half_rope": True, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
     "minimax-m2": {"half_rope": True, "gating": "sigmoid"},
     "gpt-oss": {"n_swa": 4, "rope_theta_swa": 2000.0, "yarn_factor": 32.0, "yarn_orig_ctx": 64},
+    "dots1": {"n_dense_lead": 1, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
+    "ernie4_5-moe": {"n_dense_lead": 1, "groups": (4, 2)},
+    "bailingmoe2": {"n_dense_lead": 1, "n_nextn": 1, "half_rope": True, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
 }
 
 

@@ -66,6 +66,10 @@ _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!
 _QWEN2_RE = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# bailingmoe / bailingmoe2: Ling's regex as llama.cpp rewrites it (possessive quantifiers made greedy), one digit a word.
+_BAILINGMOE_RE = (
+    r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+)
 _LLAMA3_RE = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -86,14 +90,20 @@ class PreTokenizer:
     regexes: tuple[str, ...]  # applied in turn; each splits every piece of the last, keeping matches and gaps
     ignore_merges: bool = False  # a word that is itself in the vocab is one token, unmerged (llama3)
     add_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
+    default_bos: bool = True  # False: no BOS unless the file names tokenizer.ggml.bos_token_id (llama.cpp's NULL)
 
 
 _DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", "[0-9][0-9][0-9]"))
 _GPT2 = PreTokenizer((_GPT2_RE,))
 _QWEN2 = PreTokenizer((_QWEN2_RE,))
 _LLAMA3 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
-_GLM4 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True)  # llama.cpp's CHATGLM4 regex is llama3's
+# llama.cpp's CHATGLM4 regex is llama3's. For glm4 / glm5 / chatglm-bpe it sets special_bos_id = LLAMA_TOKEN_NULL
+# before reading the file's keys: such a vocab has a BOS only if the file names one (GLM files name [gMASK]), and
+# gets it in front only if tokenizer.ggml.add_bos_token also says so.
+_GLM4 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, default_bos=False)
+_CHATGLM_BPE = PreTokenizer((_LLAMA3_RE,), default_bos=False)
 _GPT4O = PreTokenizer((_GPT4O_RE,))
+_BAILINGMOE = PreTokenizer((_BAILINGMOE_RE,))
 
 # Names llama.cpp maps to the same behaviour share a row.
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
@@ -107,8 +117,12 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "llama-v3": _LLAMA3,
     "olmo": _GPT2,
     "glm4": _GLM4,
+    "glm5": _GLM4,
+    "chatglm-bpe": _CHATGLM_BPE,
     "minimax-m2": _GPT4O,
     "gpt-4o": _GPT4O,  # gpt-oss
+    "bailingmoe": _BAILINGMOE,
+    "bailingmoe2": _BAILINGMOE,
 }
 SUPPORTED_MODELS = ("gpt2", "llama")
 
@@ -208,15 +222,19 @@ def tokenizer_spec_from_reader(reader: gguf.GGUFReader) -> TokenizerSpec:
     scores = _value(reader, KEY.SCORES, frozenset({V.FLOAT32, V.INT32}), array=True)
     scores = _per_token(scores, KEY.SCORES, n)
     merges = _value(reader, KEY.MERGES, _STRINGS, array=True)
-    add_bos_default = _pre_tokenizer(pre).add_bos if model == "gpt2" else True  # True: llama.cpp's SPM default
+    pre_tok = _pre_tokenizer(pre) if model == "gpt2" else None
+    add_bos_default = pre_tok.add_bos if pre_tok else True  # True: llama.cpp's SPM default
 
     defaults = _DEFAULT_IDS[model]
-    bos = _special_id(reader, KEY.BOS_ID, defaults["bos"], n)
+    default_bos = pre_tok is None or pre_tok.default_bos
+    bos = _special_id(reader, KEY.BOS_ID, defaults["bos"] if default_bos else None, n)
     eos = _special_id(reader, KEY.EOS_ID, defaults["eos"], n)
-    if bos is None or eos is None:
-        missing = KEY.BOS_ID if bos is None else KEY.EOS_ID
+    if (bos is None and default_bos) or eos is None:
+        missing = KEY.BOS_ID if bos is None and default_bos else KEY.EOS_ID
         raise ModelFormatError(f"GGUF key {missing} is missing and llama.cpp's default is outside the vocab")
     add_bos = _bool(reader, KEY.ADD_BOS)
+    if bos is None and (add_bos_default if add_bos is None else add_bos):  # llama.cpp would abort at tokenize
+        raise ModelFormatError(f"{KEY.ADD_BOS} is true but the file names no {KEY.BOS_ID}, and {KEY.PRE} = {pre!r} has no default BOS")
     extra: dict = {}
     add_space_prefix = _bool(reader, KEY.ADD_PREFIX)
     if add_space_prefix is not None:
@@ -250,7 +268,7 @@ def _validate(spec: TokenizerSpec) -> None:
     if spec.scores is not None and len(spec.scores) != n:
         raise ModelFormatError(f"{KEY.SCORES} has {len(spec.scores)} entries for {n} tokens")
     for key, value in ((KEY.BOS_ID, spec.bos_id), (KEY.EOS_ID, spec.eos_id)):
-        if not 0 <= value < n:
+        if value is not None and not 0 <= value < n:
             raise ModelFormatError(f"{key} = {value} is outside the vocab of {n} tokens")
     seen: dict[str, int] = {}
     for i, t in enumerate(spec.tokens):
@@ -423,6 +441,8 @@ class Tokenizer:
             text.encode()  # HF says only "must be str"; name the real fault
             raise
         if self.spec.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise ModelFormatError(f"cannot add a BOS token: the file names no {KEY.BOS_ID} and {KEY.PRE} = {self.spec.pre!r} has no default")
             return [self.bos_id, *ids]
         return ids
 

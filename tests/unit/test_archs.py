@@ -16,7 +16,7 @@ from experts.kernels import make_kernel
 from experts.model_writer import write_model
 from experts.moe import partial_sum
 from experts.packed_experts import PackedExperts
-from experts.random_model import byte_level_tokenizer, random_config, random_tensors
+from experts.random_model import RANDOM_FEATURES, byte_level_tokenizer, random_config, random_tensors
 from experts.slices import ExpertStore, check_slice, write_slice
 
 from ..conftest import NEW_ARCHS, make_model
@@ -38,8 +38,9 @@ def test_glm4moe_reads_its_schedule_router_and_rope_from_the_file(model_dir):
 def test_new_archs_config_lines_name_only_what_they_use(model_dir, arch):
     """Later config fields enter the config line (and so the digest) only when they are not at their default."""
     line = GGUFModel(make_model(model_dir, arch)).manifest[0]
-    assert ("n_dense_lead" in line) == (arch == "glm4moe")
-    assert ("n_rot" in line) == (arch not in ("olmoe", "gpt-oss"))  # gpt-oss rotates the whole head
+    feat = RANDOM_FEATURES.get(arch, {})
+    assert ("n_dense_lead" in line) == ("n_dense_lead" in feat)
+    assert ("n_rot" in line) == ("half_rope" in feat)  # the others rotate the whole head
     assert ("yarn_factor" in line) == ("n_swa" in line) == (arch == "gpt-oss")
 
 

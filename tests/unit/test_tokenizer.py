@@ -21,7 +21,7 @@ from experts.tokenizer import StreamDecoder, Tokenizer, tokenizer_spec_from_read
 
 K = gguf.Keys.Tokenizer
 TT = gguf.TokenType
-BPE_PRES = ("default", "gpt-2", "qwen2", "llama-bpe", "olmo", "glm4", "minimax-m2", "gpt-4o")
+BPE_PRES = ("default", "gpt-2", "qwen2", "llama-bpe", "olmo", "glm4", "chatglm-bpe", "minimax-m2", "gpt-4o", "bailingmoe2")
 USER_TOKEN = "<tool>"
 
 # --- corpus and vocabularies trained on it -------------------------------------------------------
@@ -136,6 +136,8 @@ def spm_kv(*, shuffled_scores: bool = False, add_space_prefix: bool | None = Non
 
 VARIANTS = {
     **{f"bpe-{pre}": (lambda pre=pre: bpe_kv(pre)) for pre in BPE_PRES},
+    "bpe-glm4-nobos": lambda: {k: v for k, v in bpe_kv("glm4").items() if k != K.BOS_ID},  # llama.cpp: no BOS at all
+    "bpe-glm4-addbos": lambda: {**bpe_kv("glm4"), K.ADD_BOS: True},  # the file's BOS, in front
     "spm": lambda: spm_kv(),
     "spm-shuffled": lambda: spm_kv(shuffled_scores=True),
     "spm-noprefix": lambda: spm_kv(add_space_prefix=False),
@@ -484,6 +486,30 @@ def text_mismatches(tok: Tokenizer, llm, texts, special: bool = False) -> list[t
 def test_matches_llama_cpp_on_varied_text(tok_all, tok_llama, name):
     """Token ids equal llama.cpp's for spaces, newlines, digits, punctuation, scripts, emoji and specials."""
     assert text_mismatches(tok_all[name], tok_llama[name], VARIED) == []
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_bos_follows_llama_cpp(tok_all, tok_llama, name):
+    """Whether a BOS goes in front, and which, is llama.cpp's choice for the file (add_special=True): glm4's
+    pre-types have no default BOS id, so a file naming none gets none (and llama.cpp's BOS is then NULL too)."""
+    tok, llm = tok_all[name], tok_llama[name]
+    for text in ("hi", "Hello, world!"):
+        assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=True), text
+    assert (tok.bos_id if tok.bos_id is not None else -1) == llm.token_bos()
+
+
+def test_glm4_without_a_bos_id_has_none_and_refuses_to_add_one(tmp_path):
+    """llama.cpp sets glm4's BOS to NULL unless the file names one; asking for a BOS then fails with one line
+    (llama.cpp aborts), and so does a file whose add_bos_token is true without a BOS id."""
+    kv = {k: v for k, v in bpe_kv("glm4").items() if k != K.BOS_ID}
+    tok = Tokenizer.from_spec(read_spec(write_gguf(tmp_path / "nobos.gguf", kv)))
+    assert tok.bos_id is None and tok.encode("hi") == tok.encode("hi", add_bos=False)
+    with pytest.raises(ModelFormatError, match="names no tokenizer.ggml.bos_token_id"):
+        tok.encode("hi", add_bos=True)
+    with pytest.raises(ModelFormatError, match="add_bos_token is true but the file names no tokenizer.ggml.bos_token_id"):
+        read_spec(write_gguf(tmp_path / "addbos.gguf", {**kv, K.ADD_BOS: True}))
+    assert read_spec(write_gguf(tmp_path / "gpt2.gguf", {k: v for k, v in bpe_kv("gpt-2").items() if k != K.BOS_ID})).bos_id == 11
 
 
 @pytest.mark.llama
