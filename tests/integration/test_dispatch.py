@@ -193,35 +193,28 @@ def test_malformed_frames_leave_the_worker_serving(model_dir):
     model = GGUFModel(make_model(model_dir, "qwen3moe"))
 
     async def main():
-        ident = Identity.generate()
-        worker = Worker(ident, ExpertStore(model))
-        wep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
-        cid = Identity.generate()
-        cep = await Endpoint.bind(cid, "127.0.0.1", 0, handler=None)
+        async with raw_worker(model) as (worker, send):
+            return await send_junk(worker, send)
+
+    async def send_junk(worker, send):
         rng = random.Random(5)
         x = np.ones((1, model.cfg.n_embd), dtype=np.float32)
         good = wire.DispatchRequest(os.urandom(16), wire.model_id_of(bytes.fromhex(model.digest)), 0, Codec.F32, 1, 2, (1, 3), (0.5, 0.25), x.tobytes()).encode()
         codes = set()
-        try:
-            for i in range(1000):
-                if i % 2:
-                    frame = bytearray(good)
-                    for _ in range(rng.randint(1, 8)):
-                        frame[rng.randrange(len(frame))] = rng.randrange(256)
-                    frame = bytes(frame[: rng.randint(0, len(frame))] if i % 3 == 0 else frame)
-                else:
-                    frame = rng.randbytes(rng.randint(0, 300))
-                reply = wire.decode(await wep_request(cep, wep, ident, frame))
-                if isinstance(reply, wire.ErrorReply):
-                    codes.add(reply.code)
-                else:
-                    assert isinstance(reply, (wire.DispatchReply, wire.Pong))
-            reply = wire.decode(await wep_request(cep, wep, ident, good))
-            return codes, worker.stats.errors, reply
-        finally:
-            await cep.close()
-            await wep.close()
-            worker.close()
+        for i in range(1000):
+            if i % 2:
+                frame = bytearray(good)
+                for _ in range(rng.randint(1, 8)):
+                    frame[rng.randrange(len(frame))] = rng.randrange(256)
+                frame = bytes(frame[: rng.randint(0, len(frame))] if i % 3 == 0 else frame)
+            else:
+                frame = rng.randbytes(rng.randint(0, 300))
+            reply = await send(frame)
+            if isinstance(reply, wire.ErrorReply):
+                codes.add(reply.code)
+            else:
+                assert isinstance(reply, (wire.DispatchReply, wire.Pong))
+        return codes, worker.stats.errors, await send(good)
 
     codes, errors, reply = asyncio.run(main())
     assert errors > 500 and wire.ErrorCode.MALFORMED in codes
@@ -286,25 +279,16 @@ def test_worker_refuses_to_sign_overflowing_sums(model_dir):
     """Hidden states of 3e38 (finite) overflow the experts' sums: the worker answers INTERNAL, signs nothing, and still serves."""
     model = GGUFModel(make_model(model_dir, "qwen3moe"))
 
+    model_id = wire.model_id_of(bytes.fromhex(model.digest))
+
+    def request(x):
+        return wire.DispatchRequest(os.urandom(16), model_id, 0, Codec.F32, 1, 2, (1, 3), (0.5, 0.25), x.tobytes()).encode()
+
     async def main():
-        ident = Identity.generate()
-        worker = Worker(ident, ExpertStore(model))
-        wep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
-        cep = await Endpoint.bind(Identity.generate(), "127.0.0.1", 0, handler=None)
-        model_id = wire.model_id_of(bytes.fromhex(model.digest))
-
-        def request(x):
-            return wire.DispatchRequest(os.urandom(16), model_id, 0, Codec.F32, 1, 2, (1, 3), (0.5, 0.25), x.tobytes()).encode()
-
-        try:
-            huge = np.full((1, model.cfg.n_embd), 3e38, dtype=np.float32)
-            refused = wire.decode(await wep_request(cep, wep, ident, request(huge)))
-            served = wire.decode(await wep_request(cep, wep, ident, request(np.ones((1, model.cfg.n_embd), dtype=np.float32))))
+        async with raw_worker(model) as (worker, send):
+            refused = await send(request(np.full((1, model.cfg.n_embd), 3e38, dtype=np.float32)))
+            served = await send(request(np.ones((1, model.cfg.n_embd), dtype=np.float32)))
             return refused, served, worker.stats
-        finally:
-            await cep.close()
-            await wep.close()
-            worker.close()
 
     with np.errstate(over="ignore", invalid="ignore"):
         refused, served, stats = asyncio.run(main())
@@ -313,8 +297,24 @@ def test_worker_refuses_to_sign_overflowing_sums(model_dir):
     assert stats.dispatches == 1 and stats.errors == 1  # only the finite answer was signed
 
 
-async def wep_request(cep, wep, ident, frame):
-    return await cep.request(wep.local_addr, ident.peer_id, frame, timeout=5.0)
+@contextlib.asynccontextmanager
+async def raw_worker(model):
+    """A worker endpoint serving *model*'s experts and ``send(frame)``: one raw request frame from a fresh client
+    endpoint, the decoded reply back (for frames no backbone would build)."""
+    ident = Identity.generate()
+    worker = Worker(ident, ExpertStore(model))
+    wep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
+    cep = await Endpoint.bind(Identity.generate(), "127.0.0.1", 0, handler=None)
+
+    async def send(frame: bytes):
+        return wire.decode(await cep.request(wep.local_addr, ident.peer_id, frame, timeout=5.0))
+
+    try:
+        yield worker, send
+    finally:
+        await cep.close()
+        await wep.close()
+        worker.close()
 
 
 def test_concurrent_backbones_are_batched_into_one_compute_call(model_dir):
