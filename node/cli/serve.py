@@ -51,19 +51,20 @@ log = structlog.get_logger("node.cli.serve")
 @click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT client.")
 @click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
 @spot_check_opts
-@click.option("--remote-experts-only", is_flag=True, help="Compute no routed expert here: no local fallback; spot checks re-ask another replica (requests are not rolled back after a catch).")
+@click.option("--spot-seed", default=None, type=int, hidden=True, help="Seed of the spot-check sample (a reproducible choice of the dispatches checked; for tests).")
+@click.option("--remote-experts-only", is_flag=True, help="Compute no routed expert here: no local fallback; spot checks re-ask another replica.")
 @click.option("--max-price", default=None, type=int, help="Never use workers asking more per work unit.")
 @click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
 @kernel_options
 @relay_opts
 @data_dir_opt
 @ready_opt
-def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, no_speculative, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
+def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, no_speculative, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, spot_seed, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
     """Serve /v1/completions and /v1/chat/completions, batching concurrent requests' dispatches."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
-    session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=1.0 if verify_all else spot_check, hold_experts=not remote_experts_only, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME, relay=relay_settings(relay_ca, relay_keepalive))
+    session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=1.0 if verify_all else spot_check, spot_seed=spot_seed, hold_experts=not remote_experts_only, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME, relay=relay_settings(relay_ca, relay_keepalive))
     cache_bytes = parse_size(prefix_cache) if prefix_cache not in ("0", "") else 0
     options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative)
     asyncio.run(serve(load_identity(home), model, (bootstrap, bootstrap_wait), parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), session, options, ready_file, api_key))
