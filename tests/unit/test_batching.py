@@ -20,6 +20,7 @@ from experts.tokenizer import Tokenizer
 from node.backbone.batching import BatchingError, BatchingMoE, LayerBatcher, Phase, affinity_groups
 from node.backbone.prefix_cache import PrefixCache
 from node.backbone.routing import Router
+from node.gateway.engine import HeldText
 from node.gateway.openai import CHAT_STOP, ApiError, Finished, Reply, StopMatcher, parse_job, parse_request, render_chat, sse
 from p2p.identity import Identity
 from p2p.records import HostedSlice, HostRecord
@@ -331,6 +332,29 @@ def test_stop_strings_are_held_back_until_they_cannot_match():
     assert m.push("D and more") == ("", True)
     m = StopMatcher(["xy"])
     assert m.push("abx") == ("ab", False) and m.flush() == "x"
+
+
+def test_held_text_sends_only_final_tokens_and_survives_a_rollback(embedded):
+    """Text waits until its tokens are final; a rollback past the sent part replays the kept tokens (nothing sent
+    twice, the rest held again); a stop string ends the text, and a rollback before it takes the stop back."""
+    _, _, _, tok = embedded
+    first, other = tok.encode(" And God said unto Moses"), tok.encode(" the LORD spake")
+    text = HeldText(tok, ["Moses"])
+    for t in first[:3]:
+        text.push(t)
+    assert text.release(0) == [] and text.finish is None
+    sent = text.release(2)
+    assert "".join(sent) == tok.decode(first[:2])
+    assert text.release(2) == []  # once
+    for t in first[3:]:
+        text.push(t)
+    assert text.finish == "stop"  # "Moses" reached, tentatively
+    text.retract(3)  # a catch: the tokens after the third go; the first two were final and stay sent
+    assert text.finish is None and text.tokens == first[:3]
+    for t in other:
+        text.push(t)
+    rest = text.release(len(text.tokens)) + [text.tail()]
+    assert "".join(sent + rest) == tok.decode(first[:3] + other)
 
 
 def test_chat_template_and_request_validation(embedded):
