@@ -34,15 +34,23 @@ class Provenance:
 
     *culprits* is the dispatcher's append-only list of hosts caught cheating (in the order
     caught); only catches after this object was made count, so a catch from an earlier
-    sequence of the same session does not roll this one back. *inherited*: the taint of
-    positions this sequence starts from without computing them (a prefix cache's entry).
+    sequence of the same session does not roll this one back.
     """
 
-    def __init__(self, culprits: Sequence[str], inherited: Mapping[str, int] | None = None) -> None:
+    def __init__(self, culprits: Sequence[str]) -> None:
         self._culprits = culprits
         self._seen = len(culprits)
-        self._first: dict[str, int] = dict(inherited or {})
+        self._first: dict[str, int] = {}
         self._start = 0
+
+    def inherit(self, taint: Mapping[str, int]) -> None:
+        """The sequence starts from positions it did not compute (a prefix cache's entry), with their *taint*.
+
+        Make this object before looking the entry up: a host caught in between is then either cut off by the lookup
+        or rolled back here."""
+        for peer, pos in taint.items():
+            if pos < self._first.get(peer, pos + 1):
+                self._first[peer] = pos
 
     def begin(self, start: int) -> None:
         """The next forward pass feeds positions *start*, *start* + 1, ... (row i is position start + i)."""

@@ -159,9 +159,10 @@ class Engine:
     def _decode(self, job: Job, stream: Stream, pins: Pins | None) -> Finished:
         prompt = list(job.prompt)
         culprits: list[str] = self.moe.inner.checker.culprits if isinstance(self.moe.inner, RemoteMoE) else []
+        provenance = Provenance(culprits)  # before the lookup (see Provenance.inherit)
         cache, taint = self.prefix_cache.lookup(job.session, prompt, culprits) if self.prefix_cache else (KVCache(), {})
         cached = cache.n_past  # read now: the generator extends the cache
-        provenance = Provenance(culprits, taint)
+        provenance.inherit(taint)
         text = HeldText(self.tok, job.stop)
         if job.sampling.temperature <= 0 and self.speculative:
             decode = functools.partial(speculative_generate, sampling=job.sampling, drafter=self.drafter)

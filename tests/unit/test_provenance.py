@@ -55,6 +55,23 @@ def test_catches_before_the_sequence_started_do_not_roll_it_back():
     assert p.rollback_to() == 3
 
 
+def test_inherited_taint_rolls_back_into_the_reused_prefix_and_says_what_is_final():
+    """Positions reused from a prefix cache keep their taint: a catch cuts back into them; until then, no token after
+    the first unchecked position is final."""
+    culprits: list[str] = []
+    p = Provenance(culprits)
+    p.inherit({"cheat": 4, "honest": 7})
+    p.begin(10)
+    p.used("honest", row(0))
+    assert p.final(n_prompt=12, n_out=5) == 0  # position 4 of the prompt was unchecked: everything may be redone
+    clean = Provenance(culprits)
+    clean.begin(12)
+    clean.used("honest", row(2))  # position 14: the tokens at 12, 13, 14 were drawn before it and stay
+    assert clean.final(n_prompt=12, n_out=5) == 3 and Provenance(culprits).final(12, 5) == 5
+    culprits.append("cheat")
+    assert p.rollback_to() == 4
+
+
 class Cheat:
     """A local MoE in which host "cheat" answers every layer wrong (reporting it as unchecked) until its *catch_at*-th call."""
 
