@@ -58,7 +58,7 @@ import structlog
 from experts.errors import LocalProtocolError
 from experts.forward import MoeCompute, MoeFfn
 from experts.rows import split_rows
-from node.backbone.dispatch import Pins, RemoteMoE
+from node.backbone.dispatch import Pins, RemoteMoE, Taint
 
 log = structlog.get_logger("node.backbone.batching")
 
@@ -221,20 +221,22 @@ class BatchingMoE:
         self.stats = BatchStats()
         self._calls: dict[int, _Call] = {}
         self._pins: dict[int, Pins | None] = {}
+        self._provenance: dict[int, Taint] = {}
         self._ids = count()
         self._timer: asyncio.TimerHandle | None = None
         self._inflight: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
     @contextmanager
-    def member(self, pins: Pins | None = None) -> Iterator[MoeFfn]:
+    def member(self, pins: Pins | None = None, provenance: Taint | None = None) -> Iterator[MoeFfn]:
         """A sequence's ``moe_ffn`` for the duration of the block (enter and use it on the sequence's thread).
 
         *pins* (slot affinity) is the session's record of which host answered each layer's
         expert group; dispatches prefer those hosts and record new choices in it. It is
-        read and written on the loop thread only.
+        read and written on the loop thread only. *provenance* learns which of this
+        sequence's rows used unchecked remote sums (:class:`RowSplit` hands each member its rows).
         """
         m = next(self._ids)
-        self.loop.call_soon_threadsafe(self._join, m, pins)
+        self.loop.call_soon_threadsafe(self._join, m, pins, provenance)
 
         def hook(layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> Future:
             fut: Future = Future()
@@ -248,12 +250,15 @@ class BatchingMoE:
 
     # --- on the loop thread ---------------------------------------------------------------------
 
-    def _join(self, m: int, pins: Pins | None) -> None:
+    def _join(self, m: int, pins: Pins | None, provenance: Taint | None) -> None:
         self.core.join(m)
         self._pins[m] = pins
+        if provenance is not None:
+            self._provenance[m] = provenance
 
     def _leave(self, m: int) -> None:
         self._pins.pop(m, None)
+        self._provenance.pop(m, None)
         call = self._calls.pop(m, None)
         if call is not None:
             call.future.cancel()
@@ -302,7 +307,8 @@ class BatchingMoE:
         t0 = time.perf_counter()
         try:
             if isinstance(self.inner, RemoteMoE):
-                out = await self.inner.dispatch_layer(layer, x, ids, w, pins)
+                taint = RowSplit([(self._provenance.get(m), c.x.shape[0]) for m, c in zip(members, calls, strict=True)])
+                out = await self.inner.dispatch_layer(layer, x, ids, w, pins, taint if taint.any else None)
             else:
                 out = await self.loop.run_in_executor(None, self.inner, layer, x, ids, w)
         except BaseException as exc:  # every waiting sequence gets the failure, a cancellation too; none hangs
@@ -325,6 +331,22 @@ class BatchingMoE:
             if not c.future.done():
                 c.future.set_result(rows)
         self._launch(due)
+
+
+class RowSplit:
+    """A batch's :class:`~node.backbone.dispatch.Taint`: the rows of a host's unchecked answer, cut at the members'
+    boundaries, each member told of its own (a sequence's first row is its pass's first position)."""
+
+    def __init__(self, members: list[tuple[Taint | None, int]]) -> None:
+        self._members = members
+        self.any = any(t is not None for t, _ in members)
+
+    def used(self, peer: str, rows: np.ndarray) -> None:
+        start = 0
+        for taint, n in self._members:
+            if taint is not None:
+                taint.used(peer, rows[start : start + n])
+            start += n
 
 
 def affinity_groups(layer: int, members: Iterable[Hashable], pins: dict[Hashable, Pins | None]) -> list[tuple[list, Pins]]:

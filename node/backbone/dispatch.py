@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import structlog
@@ -37,7 +38,6 @@ from experts.errors import MoeSwarmError
 from experts.moe import ExpertSource, combine
 from node.backbone.heads import HeadExchange
 from node.backbone.hot import HotExperts
-from node.backbone.provenance import Provenance
 from node.backbone.routing import Host, LayerRoute, Router
 from node.backbone.spotcheck import DEFAULT_SPOT_CHECK, Answer, CheckResult, SpotChecker, agree, compare, settle
 from node.ledger.receipts import (
@@ -58,6 +58,13 @@ from p2p.quic import TransportError, TransportTimeout
 
 log = structlog.get_logger("node.backbone.dispatch")
 KEEP_RECENT = 100_000
+
+
+class Taint(Protocol):
+    """Told which rows of a dispatch used a host's unchecked sums (:class:`node.backbone.provenance.Provenance`, or a
+    batch's split of them among its sequences)."""
+
+    def used(self, peer: str, rows: np.ndarray) -> None: ...
 
 
 # Slot affinity: (layer, expert range of a group) -> the host that answered it for a session.
@@ -245,16 +252,16 @@ class RemoteMoE:
         if self.heads:
             await self.heads.close()
 
-    def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None, provenance: Provenance | None = None) -> Future:
+    def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None, provenance: Taint | None = None) -> Future:
         """The ``moe_ffn`` for :class:`experts.forward.Backbone`, called off the loop thread.
 
         Returns a Future at once, so the forward computes the shared expert during the round trip.
         """
         return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w, pins, provenance), self.loop)
 
-    async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None, provenance: Provenance | None = None) -> np.ndarray:
+    async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None, provenance: Taint | None = None) -> np.ndarray:
         """*pins*, if given, steers each group to the host pinned for it (while that host is ready) and records the host that answered.
-        *provenance*, if given (rows are one sequence's consecutive positions), learns which rows used unchecked remote sums."""
+        *provenance*, if given, learns which rows used unchecked remote sums."""
         self.stats.tokens_forwarded += x.shape[0]
         t0 = time.perf_counter()
         if layer not in self.router.routes:
@@ -268,7 +275,7 @@ class RemoteMoE:
             rows = held.any(axis=1)
             present.append(rows)
             if rows.any():
-                mark = functools.partial(provenance.used, row=int(np.argmax(rows))) if provenance else None
+                mark = functools.partial(provenance.used, rows=rows) if provenance else None
                 jobs.append((g, rows, self._group(layer, route, g, x[rows], np.where(held, ids, -1)[rows], w[rows], held[rows], pins, mark)))
         if is_hot.any():  # the backbone's own hot experts: computed here while the round trips are in flight
             rows = is_hot.any(axis=1)
@@ -591,3 +598,4 @@ class RemoteMoE:
             except ReceiptError:
                 pass
         raise DispatchFailed(f"receipt rejected: {first_error}")
+

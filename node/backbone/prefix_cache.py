@@ -13,6 +13,12 @@ keys and values are the same bits whether they were computed in a long prefill, 
 token at a time, or in a speculative verify pass, and resuming from them gives the
 logits a full prefill gives.
 
+A cheater caught after its sums went into an entry's keys/values must not reach a later
+prompt through the cache: each entry keeps its taint (the first position that used each
+host's unchecked sums, :meth:`node.backbone.provenance.Provenance.taint`), a lookup uses an
+entry only up to the first position of a host caught since, and hands on the taint of what
+it reuses so that a catch during the new sequence cuts back into the reused part too.
+
 Memory is bounded (bytes of KV held); the least recently used entries go first. The
 cache is shared by sequence threads (one lock; copies are made outside it).
 """
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +41,7 @@ class _Entry:
     tokens: np.ndarray  # int64, one per cached position
     cache: KVCache
     nbytes: int
+    taint: dict[str, int]  # host -> first cached position that used its unchecked sums
 
 
 @dataclass
@@ -66,35 +73,41 @@ class PrefixCache:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def lookup(self, namespace: str | None, prompt: Sequence[int]) -> KVCache:
-        """A cache holding the longest cached prefix of *prompt* (never all of it: one token is left to feed).
+    def lookup(self, namespace: str | None, prompt: Sequence[int], culprits: Collection[str] = ()) -> tuple[KVCache, dict[str, int]]:
+        """A cache holding the longest cached prefix of *prompt* (never all of it: one token is left to feed), and the
+        taint of its positions; no position at or after one that used a *culprits* host's sums is reused.
 
         The result shares arrays with the entry; that is safe because the forward never
         writes into a cache's arrays, it replaces them (concatenate, slice).
         """
         tokens = np.asarray(prompt, dtype=np.int64)
+        caught = set(culprits)
         with self._lock:
             self.stats.lookups += 1
             best, best_n = None, 0
             for key, e in self._entries.items():
-                if e.namespace == namespace and (n := min(_common_prefix(e.tokens, tokens), len(tokens) - 1)) > best_n:
+                clean = min((pos for p, pos in e.taint.items() if p in caught), default=len(e.tokens))
+                if e.namespace == namespace and (n := min(_common_prefix(e.tokens, tokens), len(tokens) - 1, clean)) > best_n:
                     best, best_n = key, n
             if best is None:
-                return KVCache()
+                return KVCache(), {}
             entry = self._entries[best]
             self._entries.move_to_end(best)
             self.stats.hits += 1
             self.stats.reused_tokens += best_n
-            return KVCache([k[:best_n] for k in entry.cache.k], [v[:best_n] for v in entry.cache.v])
+            taint = {p: pos for p, pos in entry.taint.items() if pos < best_n}
+            return KVCache([k[:best_n] for k in entry.cache.k], [v[:best_n] for v in entry.cache.v]), taint
 
-    def store(self, namespace: str | None, tokens: Sequence[int], cache: KVCache) -> None:
-        """Keep *cache*'s positions (the first ``cache.n_past`` of *tokens*, prompt then generated) for later prompts."""
+    def store(self, namespace: str | None, tokens: Sequence[int], cache: KVCache, taint: Mapping[str, int] | None = None) -> None:
+        """Keep *cache*'s positions (the first ``cache.n_past`` of *tokens*, prompt then generated) for later prompts,
+        with their *taint* (host -> first position that used its unchecked sums)."""
         n = min(cache.n_past, len(tokens))
         if n == 0:
             return
         key_tokens = np.asarray(tokens[:n], dtype=np.int64)
         compact = KVCache([np.array(k[:n]) for k in cache.k], [np.array(v[:n]) for v in cache.v])
         nbytes = sum(a.nbytes for a in compact.k + compact.v)
+        kept = {p: pos for p, pos in (taint or {}).items() if pos < n}
         if nbytes > self.max_bytes:
             return
         with self._lock:
@@ -104,10 +117,12 @@ class PrefixCache:
                 common = _common_prefix(e.tokens, key_tokens)
                 if common == len(key_tokens):  # already covered by an entry at least as long
                     self._entries.move_to_end(key)
+                    for p, pos in kept.items():  # the same positions, computed twice: either answer may be caught
+                        e.taint[p] = min(pos, e.taint.get(p, pos))
                     return
                 if common == len(e.tokens):  # the new one covers this one
                     self._drop(key)
-            self._entries[self._next] = _Entry(namespace, key_tokens, compact, nbytes)
+            self._entries[self._next] = _Entry(namespace, key_tokens, compact, nbytes, kept)
             self._next += 1
             self._bytes += nbytes
             self.stats.stored += 1

@@ -18,7 +18,7 @@ caught since. :func:`exact_generate` is the loop: any decode function of the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,15 +43,39 @@ class Provenance:
         self._first: dict[str, int] = {}
         self._start = 0
 
+    def inherit(self, taint: Mapping[str, int]) -> None:
+        """The sequence starts from positions it did not compute (a prefix cache's entry), with their *taint*.
+
+        Make this object before looking the entry up: a host caught in between is then either cut off by the lookup
+        or rolled back here."""
+        for peer, pos in taint.items():
+            if pos < self._first.get(peer, pos + 1):
+                self._first[peer] = pos
+
     def begin(self, start: int) -> None:
         """The next forward pass feeds positions *start*, *start* + 1, ... (row i is position start + i)."""
         self._start = start
 
-    def used(self, peer: str, row: int) -> None:
-        """Row *row* (and maybe later rows) of the current pass used *peer*'s unchecked sums."""
-        pos = self._start + row
+    def used(self, peer: str, rows: np.ndarray) -> None:
+        """The rows of the current pass where *rows* (a mask, one per row) is set used *peer*'s unchecked sums."""
+        if not rows.any():
+            return
+        pos = self._start + int(np.argmax(rows))
         if pos < self._first.get(peer, pos + 1):
             self._first[peer] = pos
+
+    def clean(self) -> int | None:
+        """The first position that used anyone's unchecked sums (None: none did): a catch can cut back no further."""
+        return min(self._first.values(), default=None)
+
+    def taint(self, below: int) -> dict[str, int]:
+        """Each host's first unchecked position among the first *below* (what a prefix cache keeps with them)."""
+        return {p: pos for p, pos in self._first.items() if pos < below}
+
+    def final(self, n_prompt: int, n_out: int) -> int:
+        """How many of *n_out* generated tokens no catch can retract: those drawn before the first unchecked position."""
+        first = self.clean()
+        return n_out if first is None else min(max(first + 1 - n_prompt, 0), n_out)
 
     def rollback_to(self) -> int | None:
         """The position to cut back to because of hosts caught since the last call, or None.
@@ -116,6 +140,8 @@ def exact_generate(
     decode: Decode,
     stop: set[int] | None = None,
     stats: RollbackStats | None = None,
+    cache: KVCache | None = None,
+    until: Callable[[list[int]], bool] | None = None,
 ) -> Iterator[tuple[int, np.ndarray] | Rollback]:
     """*decode* (``generate``'s signature) with rollback: yields (token, logits) and, after a catch, a :class:`Rollback`.
 
@@ -124,10 +150,13 @@ def exact_generate(
     the cache back and *decode* restarts on the kept context; the tokens a consumer keeps
     (all yielded, minus each Rollback's retraction) are those of a run without the cheater.
     Sampling restarts its random stream at a rollback (greedy output is exact).
+    *cache*: the keys/values to start from (a prefix cache's; its taint given to *provenance*).
+    *until*: ends decoding early as *stop* does (a stop string in the text so far), the last
+    check included, so a stop that a rollback retracts does not end the sequence.
     """
     stats = stats if stats is not None else RollbackStats()
     traced = _Traced(backbone, provenance)
-    cache = KVCache()
+    cache = cache if cache is not None else KVCache()
     out: list[int] = []
     while True:
         context = [*prompt, *out]
@@ -136,7 +165,7 @@ def exact_generate(
         for tok, logits in run:
             out.append(tok)
             yield tok, logits
-            if (cut := provenance.rollback_to()) is not None:
+            if (cut := provenance.rollback_to()) is not None or (until is not None and until(out)):
                 break
         run.close()
         if cut is None and (cut := provenance.rollback_to()) is None:

@@ -18,6 +18,7 @@ from node.backbone.session import backbone_session, wait_for_hosts
 from node.cli.options import bootstrap_opt, data_dir_opt, hedge_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, spot_check_opts, timeout_opt
 from node.gateway.engine import Engine
 from node.gateway.server import Gateway
+from node.gateway.summary import Counts, log_summaries
 from node.ledger.store import FILENAME
 from node.runtime import data_dir as node_dir
 from node.runtime import load_identity, parse_hostport, until_stopped, write_ready
@@ -43,6 +44,7 @@ log = structlog.get_logger("node.cli.serve")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0), help="Requests that may wait for a slot; more get HTTP 429.")
 @click.option("--batch-window-ms", default=DEFAULT_WINDOW_S * 1e3, show_default=True, type=click.FloatRange(0), help="A layer's batch goes without the sequences still computing once none has arrived for this long.")
 @click.option("--prefix-cache", "prefix_cache", default="256M", show_default=True, help="Memory for cached prompt prefixes (keys/values); 0 turns the cache off.")
+@click.option("--summary-interval", "summary_s", default=60.0, show_default=True, type=click.FloatRange(min=1), help="Seconds between the info lines that sum up requests, tokens, dispatches, failures and hosts used (a quiet interval prints none).")
 @click.option("--no-speculative", is_flag=True, help="Decode greedy requests one token per pass (same output, more round trips).")
 @timeout_opt
 @route_refresh_opt
@@ -51,21 +53,22 @@ log = structlog.get_logger("node.cli.serve")
 @click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT client.")
 @click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
 @spot_check_opts
-@click.option("--remote-experts-only", is_flag=True, help="Compute no routed expert here: no local fallback; spot checks re-ask another replica (requests are not rolled back after a catch).")
+@click.option("--spot-seed", default=None, type=int, hidden=True, help="Seed of the spot-check sample (a reproducible choice of the dispatches checked; for tests).")
+@click.option("--remote-experts-only", is_flag=True, help="Compute no routed expert here: no local fallback; spot checks re-ask another replica.")
 @click.option("--max-price", default=None, type=int, help="Never use workers asking more per work unit.")
 @click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
 @kernel_options
 @relay_opts
 @data_dir_opt
 @ready_opt
-def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, no_speculative, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
+def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, summary_s, no_speculative, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, spot_seed, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
     """Serve /v1/completions and /v1/chat/completions, batching concurrent requests' dispatches."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
-    session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=1.0 if verify_all else spot_check, hold_experts=not remote_experts_only, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME, relay=relay_settings(relay_ca, relay_keepalive))
+    session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=1.0 if verify_all else spot_check, spot_seed=spot_seed, hold_experts=not remote_experts_only, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME, relay=relay_settings(relay_ca, relay_keepalive))
     cache_bytes = parse_size(prefix_cache) if prefix_cache not in ("0", "") else 0
-    options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative)
+    options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative, summary_s=summary_s)
     asyncio.run(serve(load_identity(home), model, (bootstrap, bootstrap_wait), parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), session, options, ready_file, api_key))
 
 
@@ -99,11 +102,13 @@ async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str
             engine = Engine(backbone, tok, moe, max_batch=options["max_batch"], max_queue=options["max_queue"], prefix_cache=cache, speculative=options["speculative"])
             gateway.attach(engine)
             status.phase = Phase.SERVING
+            summaries = asyncio.create_task(log_summaries(lambda: Counts(engine.stats.requests, engine.stats.completion_tokens, engine.stats.failed), remote.stats.records, options["summary_s"]))
             try:
                 log.info("gateway.ready", url=url, model=name, max_batch=options["max_batch"])
                 write_ready(ready_file, {"role": "gateway", "peer_id": str(identity.peer_id), "http_addr": status.http_addr, "base_url": url, "model": name})
                 await until_stopped()
             finally:
+                summaries.cancel()
                 status.phase = Phase.DRAINING
                 await asyncio.to_thread(engine.close)
     finally:

@@ -13,27 +13,33 @@ slot, and the rest are refused (:class:`QueueFull`).
   scoped to the session (jobs without one share an anonymous scope);
   :attr:`Finished.cached_tokens` says how many positions were reused.
 * The session also pins the hosts its dispatches go to (slot affinity).
+* A spot check that catches a worker rolls every sequence that used its unchecked sums
+  back to the first such position and decodes it again (:func:`exact_generate`), so the
+  text equals the honest run; text is sent only once no catch can retract it
+  (:class:`HeldText`), streamed or not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import structlog
 
 from experts.errors import MoeSwarmError
-from experts.forward import Backbone
+from experts.forward import Backbone, KVCache
 from experts.generate import generate
 from experts.speculative import default_drafter, speculative_generate
 from experts.tokenizer import StreamDecoder, Tokenizer
 from node.backbone.batching import BatchingMoE
 from node.backbone.dispatch import Pins, RemoteMoE
 from node.backbone.prefix_cache import PrefixCache
+from node.backbone.provenance import Provenance, Rollback, RollbackStats, exact_generate
 from node.gateway.openai import Finished, Job, StopMatcher
 
 log = structlog.get_logger("node.gateway.engine")
@@ -96,6 +102,7 @@ class Engine:
         self.speculative = speculative
         self.drafter = default_drafter(backbone.model)  # the model's n-gram table when one ships beside it
         self.stats = EngineStats()
+        self.rollbacks = RollbackStats()  # what catches cost the sequences (all of them together)
         self._slots = asyncio.Semaphore(max_batch)
         self._pool = ThreadPoolExecutor(max_batch, thread_name_prefix="sequence")
         self._pins: OrderedDict[str, Pins] = OrderedDict()
@@ -151,39 +158,94 @@ class Engine:
 
     def _decode(self, job: Job, stream: Stream, pins: Pins | None) -> Finished:
         prompt = list(job.prompt)
-        cache = self.prefix_cache.lookup(job.session, prompt) if self.prefix_cache else None
-        cached = cache.n_past if cache is not None else 0  # read now: the generator extends the cache
-        eos = self.tok.eos_id
-        stops, text = StopMatcher(job.stop), StreamDecoder(self.tok)
-        out: list[int] = []
-        finish, hit_stop = "length", False
-        with self.moe.member(pins) as hook:
-            if job.sampling.temperature <= 0 and self.speculative:
-                steps = speculative_generate(self.backbone, prompt, job.max_tokens, hook, sampling=job.sampling, stop={eos}, drafter=self.drafter, cache=cache)
-            else:
-                steps = generate(self.backbone, prompt, job.max_tokens, hook, sampling=job.sampling, stop={eos}, cache=cache)
+        culprits: list[str] = self.moe.inner.checker.culprits if isinstance(self.moe.inner, RemoteMoE) else []
+        provenance = Provenance(culprits)  # before the lookup (see Provenance.inherit)
+        cache, taint = self.prefix_cache.lookup(job.session, prompt, culprits) if self.prefix_cache else (KVCache(), {})
+        cached = cache.n_past  # read now: the generator extends the cache
+        provenance.inherit(taint)
+        text = HeldText(self.tok, job.stop)
+        if job.sampling.temperature <= 0 and self.speculative:
+            decode = functools.partial(speculative_generate, sampling=job.sampling, drafter=self.drafter)
+        else:
+            decode = functools.partial(generate, sampling=job.sampling)
+        with self.moe.member(pins, provenance) as hook:
+            steps = exact_generate(self.backbone, prompt, job.max_tokens, hook, provenance, decode=decode, stop={self.tok.eos_id}, stats=self.rollbacks, cache=cache, until=lambda _: text.finish is not None)
             try:
-                for t, _ in steps:
-                    out.append(t)
-                    if t == eos:
-                        finish = "stop"
-                        break
-                    delta, hit_stop = stops.push(text.push(t))
-                    if delta:
+                for step in steps:
+                    if isinstance(step, Rollback):
+                        text.retract(step.keep)
+                    else:
+                        text.push(step[0])
+                    for delta in text.release(provenance.final(len(prompt), len(text.tokens))):
                         stream.put(delta)
-                    if hit_stop:
-                        finish = "stop"
-                        break
                     if stream.cancelled.is_set():
                         break
             finally:
                 steps.close()
-        if not hit_stop and (tail := stops.push(text.flush())[0] + stops.flush()):
-            stream.put(tail)
-        if self.prefix_cache and cache is not None:
-            self.prefix_cache.store(job.session, prompt + out, cache)
-        return Finished(finish, len(prompt), len(out), cached)
+        for delta in text.release(len(text.tokens)) + [text.tail()]:  # decoding ended after its last check: all final
+            if delta:
+                stream.put(delta)
+        if self.prefix_cache:
+            self.prefix_cache.store(job.session, prompt + text.tokens, cache, provenance.taint(cache.n_past))
+        return Finished(text.finish or "length", len(prompt), len(text.tokens), cached)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class HeldText:
+    """A sequence's text, sent only as far as its tokens are final (no spot-check catch can retract them).
+
+    A token drawn after a position that used an unchecked remote sum may be retracted by a
+    catch (:mod:`node.backbone.provenance`), and a chunk already streamed cannot be unsent;
+    so text is held until :meth:`release` says its tokens are final, or the sequence ended
+    after its last check. :meth:`retract` replays the kept tokens through a fresh decoder and
+    stop matcher: the text already released comes out of the replay unchanged (a rollback
+    never cuts into final tokens), the rest is held again.
+    """
+
+    def __init__(self, tok: Tokenizer, stops: Sequence[str]) -> None:
+        self._tok, self._stops = tok, stops
+        self.tokens: list[int] = []
+        self._sent = 0  # deltas released
+        self._start()
+
+    def _start(self) -> None:
+        self._decoder, self._matcher = StreamDecoder(self._tok), StopMatcher(self._stops)
+        self._deltas: list[tuple[int, str]] = []  # (tokens it comes from, text)
+        self.finish: str | None = None  # "stop": EOS or a stop string ended the text
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        if self.finish is not None:
+            return
+        if token == self._tok.eos_id:
+            self.finish = "stop"
+            return
+        delta, hit = self._matcher.push(self._decoder.push(token))
+        if delta:
+            self._deltas.append((len(self.tokens), delta))
+        if hit:
+            self.finish = "stop"
+
+    def retract(self, keep: int) -> None:
+        """Tokens after the first *keep* are gone (a rollback)."""
+        kept, self.tokens = self.tokens[:keep], []
+        self._start()
+        for t in kept:
+            self.push(t)
+
+    def release(self, final: int) -> list[str]:
+        """The held text that comes from the first *final* tokens, once."""
+        n = self._sent
+        while n < len(self._deltas) and self._deltas[n][0] <= final:
+            n += 1
+        out, self._sent = [d for _, d in self._deltas[self._sent : n]], n
+        return out
+
+    def tail(self) -> str:
+        """What the decoder and the stop matcher still hold at the end (nothing after a stop)."""
+        if self.finish is not None:
+            return ""
+        return self._matcher.push(self._decoder.flush())[0] + self._matcher.flush()
 

@@ -108,6 +108,7 @@ class Gateway:
             body["prefix_cache"] = e.prefix_cache.summary()
         if isinstance(e.moe.inner, RemoteMoE):
             body["dispatch"] = e.moe.inner.stats.summary()
+            body["verification"] = {**e.moe.inner.checker.summary(), **e.rollbacks.summary()}
         return web.json_response(body)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

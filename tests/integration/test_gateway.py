@@ -149,9 +149,10 @@ def test_bad_requests_get_openai_style_errors(swarm, client):
 
 
 def test_a_client_that_leaves_mid_stream_stops_its_sequence(swarm, client):
-    """Closing a stream after its first chunk ends the sequence long before max_tokens; its slot is free again."""
+    """Closing a stream after its first chunk (a chat stream's role chunk, sent at once: text is held until it is
+    final) ends the sequence long before max_tokens; its slot is free again."""
     before = stats(swarm)["requests"]
-    with client.completions.create(model=MODEL, prompt="And God said", max_tokens=400, temperature=0.7, seed=1, stream=True) as s:
+    with client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "And God said"}], max_tokens=400, temperature=0.7, seed=1, stream=True) as s:
         next(iter(s))
     until(lambda: not stats(swarm)["requests"]["active"], timeout=60, interval=0.1, what="the sequence ended")
     now = stats(swarm)["requests"]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import structlog
 
@@ -22,7 +25,7 @@ from node.launcher import Cluster
 from node.ledger.store import Ledger
 from p2p.identity import Identity
 from tests.support import moeswarm
-from tests.support.engine import kernel, local_engine
+from tests.support.engine import kernel, local_completion, local_engine
 
 pytestmark = pytest.mark.slow
 REPO = str(Path(__file__).resolve().parents[2])
@@ -97,3 +100,33 @@ def test_cheat_among_replicas_is_caught_unpaid_and_the_output_exact_at_the_defau
     # Its answers before the catch were used unchecked: cut back and decoded again (none if its very first answer was the one checked).
     assert (verification["rollbacks"] == 1) == (totals[cheat_peer].dispatches > 1)
     assert verification["tokens_redecoded"] <= verification["rollbacks"] * N_TOKENS
+
+
+def test_gateway_rolls_a_caught_cheat_back_and_sends_only_the_honest_text(tmp_path):
+    """`backbone serve` with a cheat as the only worker, one streamed and one plain request batched together: the
+    spot check (seeded: the 36th dispatch, after the cheat's sums were used) catches it, both sequences roll back, and
+    the streamed chunks and the plain text equal the honest run (a streamed chunk is sent only once it is final)."""
+    model = GGUFModel(EMBEDDED_MODEL)
+    tok = Tokenizer.from_spec(model.tokenizer_spec)
+    whole = Partition(((0, model.cfg.n_expert),))
+    engine = local_engine(model)
+    prompts = ["And it came to pass", "In the beginning"]
+    want = [local_completion(engine, tok, whole, p, 48)[0] for p in prompts]
+    with Cluster(tmp_path) as cluster:
+        boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
+        cluster.start("cheat", "worker", "--model", str(model.path), "--bootstrap", boot, module="tests.doubles.malicious_worker", env={"PYTHONPATH": REPO}).wait_ready()
+        gw = cluster.start("gateway", "backbone", "serve", "--bootstrap", boot, "--http", "127.0.0.1:0", "--spot-seed", "0").wait_ready()
+        client = openai.OpenAI(base_url=gw["base_url"], api_key="unused", max_retries=0, timeout=120)
+
+        def streamed() -> str:
+            chunks = client.completions.create(model="embedded", prompt=prompts[0], max_tokens=48, temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        def plain() -> str:
+            return client.completions.create(model="embedded", prompt=prompts[1], max_tokens=48, temperature=0).choices[0].text or ""
+
+        with ThreadPoolExecutor(2) as pool:
+            got = [f.result() for f in [pool.submit(streamed), pool.submit(plain)]]
+        verification = httpx.get(gw["base_url"] + "/stats").json()["verification"]
+    assert got == want
+    assert verification["caught"] == 1 and verification["rollbacks"] >= 1, verification

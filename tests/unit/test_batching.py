@@ -20,6 +20,7 @@ from experts.tokenizer import Tokenizer
 from node.backbone.batching import BatchingError, BatchingMoE, LayerBatcher, Phase, affinity_groups
 from node.backbone.prefix_cache import PrefixCache
 from node.backbone.routing import Router
+from node.gateway.engine import HeldText
 from node.gateway.openai import CHAT_STOP, ApiError, Finished, Reply, StopMatcher, parse_job, parse_request, render_chat, sse
 from p2p.identity import Identity
 from p2p.records import HostedSlice, HostRecord
@@ -263,14 +264,24 @@ def test_lookup_returns_the_longest_prefix_and_leaves_a_token_to_feed():
     pc = PrefixCache(1 << 20)
     pc.store(None, [1, 2, 3, 4, 5], fake_cache(5))
     pc.store(None, [1, 2, 9], fake_cache(3, fill=7.0))
-    got = pc.lookup(None, [1, 2, 3, 4, 6, 7])
+    got, _ = pc.lookup(None, [1, 2, 3, 4, 6, 7])
     assert got.n_past == 4 and got.k[0][0, 0, 0] == 1.0
-    assert pc.lookup(None, [1, 2, 3, 4, 5]).n_past == 4  # the last token must still be fed
-    assert pc.lookup(None, [1, 2, 9, 9]).k[1][0, 0, 0] == 8.0
-    assert pc.lookup(None, [8, 1, 2]).n_past == 0
-    assert pc.lookup("someone else", [1, 2, 3, 4, 6]).n_past == 0
+    assert pc.lookup(None, [1, 2, 3, 4, 5])[0].n_past == 4  # the last token must still be fed
+    assert pc.lookup(None, [1, 2, 9, 9])[0].k[1][0, 0, 0] == 8.0
+    assert pc.lookup(None, [8, 1, 2])[0].n_past == 0
+    assert pc.lookup("someone else", [1, 2, 3, 4, 6])[0].n_past == 0
     s = pc.summary()
     assert (s["lookups"], s["hits"], s["reused_tokens"]) == (5, 3, 11)
+
+
+def test_lookup_stops_before_the_first_position_of_a_caught_host():
+    """An entry is reused only up to the first position that used a host caught since, and its taint travels on."""
+    pc = PrefixCache(1 << 20)
+    pc.store(None, [1, 2, 3, 4, 5, 6], fake_cache(6), taint={"cheat": 3, "other": 1, "late": 5})
+    cache, taint = pc.lookup(None, [1, 2, 3, 4, 5, 6, 7])
+    assert cache.n_past == 6 and taint == {"cheat": 3, "other": 1, "late": 5}  # nobody caught yet
+    cache, taint = pc.lookup(None, [1, 2, 3, 4, 5, 6, 7], culprits=["cheat"])
+    assert cache.n_past == 3 and taint == {"other": 1}
 
 
 def test_store_keeps_bytes_under_the_budget_least_recently_used_first():
@@ -281,14 +292,14 @@ def test_store_keeps_bytes_under_the_budget_least_recently_used_first():
     pc.store("s", [5, 6, 7, 8], fake_cache(4))
     pc.lookup("s", [1, 2, 3, 0])  # touch the first
     pc.store("s", [9, 9, 9, 9], fake_cache(4))
-    assert pc.lookup("s", [5, 6, 7, 0]).n_past == 0
-    assert pc.lookup("s", [1, 2, 3, 0]).n_past == 3
+    assert pc.lookup("s", [5, 6, 7, 0])[0].n_past == 0
+    assert pc.lookup("s", [1, 2, 3, 0])[0].n_past == 3
     pc.store("s", [1, 2, 3, 4, 5, 6], fake_cache(6))  # covers [1, 2, 3, 4], which goes
     assert pc.summary()["entries"] == 1 and pc.summary()["bytes"] <= 2 * one
     pc.store("s", [1, 2, 3], fake_cache(3))  # already covered: nothing new
     assert pc.summary()["stored"] == 4
     pc.store("s", [1, 2, 3] + [0] * 17, fake_cache(20))  # larger than the budget: not kept
-    assert pc.lookup("s", [1, 2, 3] + [0] * 17).n_past == 3
+    assert pc.lookup("s", [1, 2, 3] + [0] * 17)[0].n_past == 3
 
 
 def test_resuming_from_a_cached_prefix_is_bit_identical(embedded):
@@ -297,11 +308,11 @@ def test_resuming_from_a_cached_prefix_is_bit_identical(embedded):
     moe = local_moe(lambda i, x, e, w: grouped_moe(store, Partition.even(model.cfg.n_expert, 2), i, x, e, w))
     pc = PrefixCache(1 << 24)
     first = tok.encode("User: Who made the heaven?\nAssistant:")
-    cache = pc.lookup("s", first)
+    cache, _ = pc.lookup("s", first)
     out1 = [t for t, _ in generate(bb, first, 8, moe, cache=cache)]
     pc.store("s", first + out1, cache)
     second = first + out1 + tok.encode("\nUser: And the earth?\nAssistant:")
-    prefix = pc.lookup("s", second)
+    prefix, _ = pc.lookup("s", second)
     assert prefix.n_past == len(first) + len(out1) - 1  # the last generated token was never fed
     resumed = list(speculative_generate(bb, second, 10, moe, cache=prefix))
     full = list(speculative_generate(bb, second, 10, moe))
@@ -321,6 +332,29 @@ def test_stop_strings_are_held_back_until_they_cannot_match():
     assert m.push("D and more") == ("", True)
     m = StopMatcher(["xy"])
     assert m.push("abx") == ("ab", False) and m.flush() == "x"
+
+
+def test_held_text_sends_only_final_tokens_and_survives_a_rollback(embedded):
+    """Text waits until its tokens are final; a rollback past the sent part replays the kept tokens (nothing sent
+    twice, the rest held again); a stop string ends the text, and a rollback before it takes the stop back."""
+    _, _, _, tok = embedded
+    first, other = tok.encode(" And God said unto Moses"), tok.encode(" the LORD spake")
+    text = HeldText(tok, ["Moses"])
+    for t in first[:3]:
+        text.push(t)
+    assert text.release(0) == [] and text.finish is None
+    sent = text.release(2)
+    assert "".join(sent) == tok.decode(first[:2])
+    assert text.release(2) == []  # once
+    for t in first[3:]:
+        text.push(t)
+    assert text.finish == "stop"  # "Moses" reached, tentatively
+    text.retract(3)  # a catch: the tokens after the third go; the first two were final and stay sent
+    assert text.finish is None and text.tokens == first[:3]
+    for t in other:
+        text.push(t)
+    rest = text.release(len(text.tokens)) + [text.tail()]
+    assert "".join(sent + rest) == tok.decode(first[:3] + other)
 
 
 def test_chat_template_and_request_validation(embedded):

@@ -25,6 +25,7 @@ from experts.gguf_model import GGUFModel
 from experts.slices import parse_range
 from node.cli.root import main as cli
 from p2p.identity import Identity
+from tests.support.cli import parse_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -475,14 +476,6 @@ def test_each_check_catches_a_broken_copy(compose, mutate, check, expected):
     assert any(expected in p for p in problems), problems
 
 
-def _parse_cli(args: list[str]) -> click.Context:
-    cmd, name, ctx = cli, "moeswarm", None
-    while isinstance(cmd, click.Group):
-        ctx = cmd.make_context(name, list(args), parent=ctx)
-        name, cmd, args = cmd.resolve_command(ctx, [*ctx._protected_args, *ctx.args])  # click has no public spelling
-    return cmd.make_context(name, list(args), parent=ctx)
-
-
 def command_path_problems(args: list[str]) -> list[str]:
     """What is wrong with the subcommand path of ``moeswarm ARGS``, resolved through the lazy group's get_command."""
     cmd: click.Command = cli
@@ -505,7 +498,7 @@ def cli_problems(args: list[str]) -> list[str]:
     if problems := command_path_problems(args):
         return problems
     try:
-        _parse_cli(args)
+        parse_cli(args)
     except click.UsageError as exc:
         return [f"moeswarm {' '.join(args)}: {exc.format_message()}"]
     return []
@@ -523,7 +516,7 @@ def test_node_commands_parse_with_the_real_cli(compose, name):
 def test_cli_parse_rejects_a_misspelled_flag():
     """The CLI check is live: a misspelled worker flag is a usage error."""
     with pytest.raises(click.UsageError, match="--modle"):
-        _parse_cli(["worker", "--modle=/models/embedded.gguf"])
+        parse_cli(["worker", "--modle=/models/embedded.gguf"])
 
 
 @pytest.mark.parametrize(

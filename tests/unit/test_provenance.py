@@ -18,17 +18,22 @@ from experts.tokenizer import Tokenizer
 from node.backbone.provenance import Provenance, Rollback, RollbackStats, exact_generate
 
 
+def row(i: int) -> np.ndarray:
+    """A dispatch's row mask in which row *i* is the first set (a later one too, which must not matter)."""
+    return np.arange(i + 3) >= i
+
+
 def test_rollback_point_is_the_first_position_of_the_caught_host():
     """A catch cuts back to the caught host's first unchecked position; other hosts' later entries go, earlier ones stay."""
     culprits: list[str] = []
     p = Provenance(culprits)
     p.begin(0)
-    p.used("honest", 2)  # position 2
+    p.used("honest", row(2))  # position 2
     p.begin(5)
-    p.used("cheat", 1)  # position 6
+    p.used("cheat", row(1))  # position 6
     p.begin(9)
-    p.used("cheat", 0)
-    p.used("other", 0)  # position 9: re-decoded after the cut, so forgotten
+    p.used("cheat", row(0))
+    p.used("other", row(0))  # position 9: re-decoded after the cut, so forgotten
     assert p.rollback_to() is None  # nobody caught yet
     culprits.append("cheat")
     assert p.rollback_to() == 6
@@ -44,10 +49,27 @@ def test_catches_before_the_sequence_started_do_not_roll_it_back():
     culprits = ["cheat"]
     p = Provenance(culprits)
     p.begin(3)
-    p.used("cheat", 0)
+    p.used("cheat", row(0))
     assert p.rollback_to() is None
     culprits.append("cheat")  # caught again, now in this sequence
     assert p.rollback_to() == 3
+
+
+def test_inherited_taint_rolls_back_into_the_reused_prefix_and_says_what_is_final():
+    """Positions reused from a prefix cache keep their taint: a catch cuts back into them; until then, no token after
+    the first unchecked position is final."""
+    culprits: list[str] = []
+    p = Provenance(culprits)
+    p.inherit({"cheat": 4, "honest": 7})
+    p.begin(10)
+    p.used("honest", row(0))
+    assert p.final(n_prompt=12, n_out=5) == 0  # position 4 of the prompt was unchecked: everything may be redone
+    clean = Provenance(culprits)
+    clean.begin(12)
+    clean.used("honest", row(2))  # position 14: the tokens at 12, 13, 14 were drawn before it and stay
+    assert clean.final(n_prompt=12, n_out=5) == 3 and Provenance(culprits).final(12, 5) == 5
+    culprits.append("cheat")
+    assert p.rollback_to() == 4
 
 
 class Cheat:
@@ -66,7 +88,7 @@ class Cheat:
         if self.calls == self.catch_at:  # this dispatch was checked: the right answer is used, the host named
             self.culprits.append("cheat")
             return sums
-        self.provenance.used("cheat", 0)
+        self.provenance.used("cheat", row(0))
         return sums + np.random.default_rng(layer).standard_normal(sums.shape).astype(np.float32) * np.abs(sums).mean()
 
 
