@@ -80,6 +80,7 @@ class ArchSpec:
     attn_out_bias: bool = False  # attn_output.bias (gpt-oss; required there)
     attn_sinks: bool = False  # attn_sinks.weight (n_head,): a per-head logit that joins every softmax, unscaled
     swa_period: int = 0  # > 0: attention.sliding_window is required; default period of the SWA layer pattern
+    mla: bool = False  # multi-head latent attention (deepseek2): q-LoRA, a shared latent KV, YaRN mscale² in the scale
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -180,6 +181,28 @@ ARCHS: dict[str, ArchSpec] = {
         attn_out_bias=True,
         attn_sinks=True,
         swa_period=2,
+    ),
+    # src/models/deepseek2.cpp: MLA (absorbed attn_k_b/attn_v_b, or legacy attn_kv_b) with q-LoRA and NORM RoPE,
+    # YaRN's mscale² in the attention scale; router gating/norm/scale/groups from the file with an optional selection
+    # bias; leading dense layers; a plain shared expert of expert_shared_count expert widths.
+    "deepseek2": ArchSpec(
+        name="deepseek2",
+        rope=RopeStyle.NORM,
+        norm_topk=False,
+        shared_expert=SharedExpert.PLAIN,
+        qk_norm=QKNorm.NONE,
+        qkv_bias=False,
+        tied_output_allowed=True,
+        n_ff_exp_key="expert_feed_forward_length",
+        gating=Gating.SOFTMAX,
+        gating_from_file=True,
+        norm_from_file=True,
+        scale_from_file=True,
+        selection_bias=True,
+        dense_lead=True,
+        shexp_from_count=True,
+        optional_tensors=("exp_probs_b.bias",),
+        mla=True,
     ),
 }
 
