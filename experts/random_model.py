@@ -63,9 +63,10 @@ RANDOM_FEATURES: dict[str, dict] = {
     "glm4moe": {"n_dense_lead": 1, "n_nextn": 1, "half_rope": True, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
     "minimax-m2": {"half_rope": True, "gating": "sigmoid"},
     "gpt-oss": {"n_swa": 4, "rope_theta_swa": 2000.0, "yarn_factor": 32.0, "yarn_orig_ctx": 64},
-    # DeepSeek-V3's router and schedule; MLA with V3's proportions (rope = nope/2, v = nope; the latent 2x and the
-    # q-LoRA 3x nope, smaller than V3's 4x/12x); YaRN factor 4 over 64 positions with V3's mscale_all_dim of 1.
-    "deepseek2": {"n_dense_lead": 1, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2),
+    # DeepSeek-V3's router and schedule, a trailing MTP block (as GLM-4.7-Flash); MLA with V3's proportions (rope =
+    # nope/2, v = nope; latent 2x and q-LoRA 3x nope, less than V3's 4x/12x); YaRN factor 4 over 64 positions with
+    # V3's mscale_all_dim of 1.
+    "deepseek2": {"n_dense_lead": 1, "n_nextn": 1, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2),
                   "yarn_factor": 4.0, "yarn_orig_ctx": 64, "yarn_log_mul": 1.0, "mla": (3, 2)},
 }
 

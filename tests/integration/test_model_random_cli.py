@@ -65,6 +65,6 @@ def test_deepseek2_random_model_and_inspect_report_the_latent_kv_cache(tmp_path)
         p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out), "--json"], capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
         info = json.loads(p.stdout)
-        assert info["moe_layers"] == [1, 2] and info["kv_cache_bytes_per_token_per_layer"] == (32 + 8) * 4
+        assert info["moe_layers"] == [1, 2] and info["config"]["n_nextn"] == 1 and info["kv_cache_bytes_per_token_per_layer"] == (32 + 8) * 4
         p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out)], capture_output=True, text=True, timeout=120)
         assert "KV cache: 160 bytes per token per layer (40 float32, the MLA latent)" in p.stdout, p.stdout
