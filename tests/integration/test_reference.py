@@ -166,8 +166,8 @@ def absorbed_copy(src: GGUFModel, out) -> GGUFModel:
 def test_deepseek2_legacy_kv_b_file_is_its_absorbed_model(model_dir, tmp_path, kernel_name):
     """A legacy attn_kv_b file computes what llama.cpp computes on the same weights split as current files are
     (F32 gate), and decodes incrementally as in one pass. Not compared with llama.cpp on the legacy file itself:
-    measured, this llama.cpp rotates the leading n_rot dims of each query there instead of its rope part (the
-    ggml_rope_set_offset its graph asks for does not take effect), min cosine ~0.6 to the absorbed model."""
+    measured, this llama.cpp rotates the leading n_rot dims of each query there instead of its rope part (as if the
+    ggml_rope_set_offset its graph asks for were not applied), min cosine ~0.6 to the absorbed model."""
     pytest.importorskip("llama_cpp")
     from experts.reference import llamacpp_logits
 
