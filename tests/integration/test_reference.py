@@ -206,3 +206,23 @@ def test_every_deepseek2_feature_of_the_random_model_matters(model_dir, feature)
     DEEPSEEK2_ABLATIONS[feature](bb)
     c = compare(bb.forward(TOKENS, KVCache(), hook), llamacpp_logits(path, TOKENS))
     assert c.min_cosine < 0.9999, c
+
+
+def test_deepseek_v3_attention_dims_match_llamacpp_with_a_576_float_cache(tmp_path):
+    """At DeepSeek-V3's attention dims (qk_nope 128, qk_rope 64, v 128, latent 512; a smaller q-LoRA and hidden) the F32
+    gate holds, and the KV cache holds 576 floats per token per layer."""
+    pytest.importorskip("llama_cpp")
+    from experts.random_model import random_config, write_random_model
+    from experts.reference import llamacpp_logits
+
+    cfg = dataclasses.replace(random_config("deepseek2", n_layer=2, n_embd=256, n_head=2, head_dim=128, n_expert=8, n_expert_used=2, n_ff_exp=64), kv_lora_rank=512, q_lora_rank=256)
+    path = tmp_path / "v3-attention.gguf"
+    write_random_model(path, cfg)
+    model = GGUFModel(path)
+    assert (model.cfg.head_dim, model.cfg.rope_dim, model.cfg.v_head_dim, model.cfg.kv_cache_floats) == (192, 64, 128, 576)
+    bb, hook = engine(model, "reference")
+    cache = KVCache()
+    ours = bb.forward(TOKENS, cache, hook)
+    c = compare(ours, llamacpp_logits(path, TOKENS))
+    assert c.min_cosine >= 0.99999 and c.argmax_agree == 1.0, c
+    assert [k.shape for k in cache.k] == [(len(TOKENS), 576)] * 2 and sum(a.nbytes for a in cache.k + cache.v) == 2 * len(TOKENS) * 576 * 4
