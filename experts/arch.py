@@ -87,6 +87,7 @@ class ArchSpec:
     shexp_unit_key: bool = False  # with shexp_from_count: the unit is expert_shared_feed_forward_length when set (bailingmoe2)
     mtp_norms: tuple[str, ...] = ()  # (n_embd,) norms an MTP block must carry besides nextn.{eh_proj,enorm,hnorm}
     fused_qkv: bool = False  # one attn_qkv (q_dim + 2 kv_dim, n_embd) instead of attn_q/k/v; llama.cpp needs q_dim == n_embd
+    mla: bool = False  # multi-head latent attention (deepseek2): q-LoRA, a shared latent KV, YaRN mscale² in the scale
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -267,6 +268,28 @@ ARCHS: dict[str, ArchSpec] = {
         shexp_unit_key=True,
         fused_qkv=True,
         mtp_norms=("layer_output_norm.weight",),
+    ),
+    # src/models/deepseek2.cpp: MLA (absorbed attn_k_b/attn_v_b, or legacy attn_kv_b) with q-LoRA and NORM RoPE,
+    # YaRN's mscale² in the attention scale; router gating/norm/scale/groups from the file with an optional selection
+    # bias; leading dense layers; a plain shared expert of expert_shared_count expert widths.
+    "deepseek2": ArchSpec(
+        name="deepseek2",
+        rope=RopeStyle.NORM,
+        norm_topk=False,
+        shared_expert=SharedExpert.PLAIN,
+        qk_norm=QKNorm.NONE,
+        qkv_bias=False,
+        tied_output_allowed=True,
+        n_ff_exp_key="expert_feed_forward_length",
+        gating=Gating.SOFTMAX,
+        gating_from_file=True,
+        norm_from_file=True,
+        scale_from_file=True,
+        selection_bias=True,
+        dense_lead=True,
+        shexp_from_count=True,
+        optional_tensors=("exp_probs_b.bias",),
+        mla=True,
     ),
 }
 

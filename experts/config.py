@@ -44,6 +44,13 @@ class ModelConfig:
     rope_theta_swa: float = field(default=0.0, metadata=_LATER)  # rope.freq_base_swa of SWA layers; 0: rope_theta
     yarn_factor: float = field(default=0.0, metadata=_LATER)  # rope.scaling.factor when rope.scaling.type is yarn; 0: no YaRN
     yarn_orig_ctx: int = field(default=0, metadata=_LATER)  # rope.scaling.original_context_length (YaRN's n_ctx_orig)
+    # Multi-head latent attention (ArchSpec.mla): head_dim is then the query/key head (qk_nope + qk_rope, the rope part
+    # being the n_rot trailing dims), v_head_dim the value head; K and V of every head come from one latent of kv_lora_rank.
+    q_lora_rank: int = field(default=0, metadata=_LATER)  # 0: the query is one projection (attn_q, "lite")
+    kv_lora_rank: int = field(default=0, metadata=_LATER)
+    v_head_dim: int = field(default=0, metadata=_LATER)
+    mla_kv_b: bool = field(default=False, metadata=_LATER)  # the legacy layout: one attn_kv_b, not attn_k_b/attn_v_b
+    yarn_log_mul: float = field(default=0.0, metadata=_LATER)  # rope.scaling.yarn_log_multiplier / 0.1 (mscale_all_dim)
 
     @property
     def spec(self) -> ArchSpec:
@@ -60,6 +67,22 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         return self.n_rot or self.head_dim
+
+    @property
+    def gguf_kv_lengths(self) -> tuple[int, int]:
+        """attention.key_length / value_length as llama.cpp reads them: an absorbed MLA file states its one cached
+        KV head (latent + rope dims, latent), a legacy one the decompressed heads."""
+        if not self.kv_lora_rank:
+            return self.head_dim, self.head_dim
+        if self.mla_kv_b:
+            return self.head_dim, self.v_head_dim
+        return self.kv_lora_rank + self.rope_dim, self.kv_lora_rank
+
+    @property
+    def kv_cache_floats(self) -> int:
+        """Floats the KV cache holds per token per layer: the latent and the roped key part under MLA (576 for
+        DeepSeek-V3, in both file layouts), else a key and a value per KV head."""
+        return self.kv_lora_rank + self.rope_dim if self.kv_lora_rank else 2 * self.kv_dim
 
     def is_moe(self, layer: int) -> bool:
         """Whether *layer* routes to experts (else it has a dense FFN and nothing to dispatch)."""

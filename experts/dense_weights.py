@@ -99,6 +99,10 @@ class DenseWeights:
     def ffn(self, gate: str, up: str, down: str) -> DenseFFN:
         return DenseFFN(self.model.dense(gate), self.model.dense(up), self.model.dense(down))
 
+    def stacked(self, name: str) -> list[DenseLinear]:
+        """One linear per outermost index of a 3-D tensor (deepseek2's per-head attn_k_b / attn_v_b)."""
+        return [DenseLinear(w) for w in self.model.dense(name)]
+
 
 class PackedWeights:
     """Backbone weights left packed in the model's memory map, computed on by *kernel*."""
@@ -121,6 +125,12 @@ class PackedWeights:
 
     def ffn(self, gate: str, up: str, down: str) -> PackedFFN:
         return PackedFFN(self._packed(gate, True), self._packed(up, True), self._packed(down, True), self.kernel)
+
+    def stacked(self, name: str) -> list[PackedLinear]:
+        """One linear per outermost index of a 3-D tensor, each on its own (contiguous) bytes of the map."""
+        m = self.model
+        n, rows, cols = m.shape(name)
+        return [PackedLinear(QuantWeight(block.reshape(rows, -1), m.qtype(name), (rows, cols)), self.kernel) for block in m.raw(name)]
 
 
 def weights_for(model: GGUFModel, kernel: Kernel | None) -> DenseWeights | PackedWeights:

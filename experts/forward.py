@@ -4,7 +4,7 @@ Every matmul is batch invariant (see :mod:`experts.moe`): a token's logits are t
 bits whether it is decoded alone, verified in a speculative draft or batched with other
 sequences, which is what makes those optimisations exactly output-preserving.
 
-Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss: the per-arch
+Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / deepseek2: the per-arch
 differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
 thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> Future[routed_sum]``
 (llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe` through
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arch import QKNorm, RopeStyle, SharedExpert
-from .dense_weights import FFN, DenseWeights, Linear, PackedWeights, mm, weights_for
+from .dense_weights import FFN, DenseLinear, DenseWeights, Linear, PackedWeights, mm, weights_for
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
 from .kernels import Kernel
@@ -61,8 +61,20 @@ class Yarn:
 
     factor: float  # rope.scaling.factor: frequencies are interpolated by 1/factor
     orig_ctx: int  # rope.scaling.original_context_length
+    log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier (deepseek2's mscale_all_dim); 0: not in the file
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+
+    @property
+    def magnitude(self) -> float:
+        """What cos and sin carry: ggml's ``1 + 0.1 ln factor``, times llama-context's attn_factor, which cancels it
+        (and so leaves 1) when the file has a log multiplier (deepseek2: mscale / mscale_all_dim = 1)."""
+        return 1.0 if self.log_mul else 1.0 + 0.1 * float(np.log(self.factor))
+
+    @property
+    def attn_mscale(self) -> float:
+        """deepseek2's mscale, squared into its attention scale: the cos/sin magnitude times ``1 + 0.1 log_mul ln factor``."""
+        return self.magnitude * (1.0 + 0.1 * self.log_mul * float(np.log(self.factor)))
 
     def corr_dims(self, n_rot: int, base: float) -> tuple[float, float]:
         """The pair indices where the ramp from extrapolated to interpolated frequencies starts and ends."""
@@ -74,12 +86,12 @@ class Yarn:
 
     def angles(self, theta: np.ndarray, n_rot: int, base: float) -> tuple[np.ndarray, float]:
         """(angles, magnitude): each pair's angle mixed between theta/factor and theta by the ramp, and the
-        ``1 + 0.1 ln factor`` that cos and sin carry (llama.cpp's attn_factor cancels its own copy of it)."""
+        :attr:`magnitude` that cos and sin carry."""
         lo, hi = self.corr_dims(n_rot, base)
         i = np.arange(theta.shape[-1], dtype=np.float64)
         ramp = 1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0)  # ext_factor 1
         interp = theta / self.factor
-        return interp * (1.0 - ramp) + theta * ramp, 1.0 + 0.1 * float(np.log(self.factor))
+        return interp * (1.0 - ramp) + theta * ramp, self.magnitude
 
 
 def rope(x: np.ndarray, pos: np.ndarray, theta_base: float, style: RopeStyle, n_rot: int | None = None, yarn: Yarn | None = None) -> np.ndarray:
@@ -120,7 +132,11 @@ def sink_softmax(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
 
 @dataclass
 class KVCache:
-    """Per-layer keys/values of the positions seen so far (float32, as llama.cpp with type_k/v=F32)."""
+    """Per-layer keys/values of the positions seen so far (float32, as llama.cpp with type_k/v=F32).
+
+    An MLA layer keeps one row per position, its latent then its roped key part (``cfg.kv_cache_floats``: 576
+    for DeepSeek-V3); its values are the latent columns of those rows, so its ``v`` is zero-width.
+    """
 
     k: list[np.ndarray] = field(default_factory=list)
     v: list[np.ndarray] = field(default_factory=list)
@@ -136,11 +152,53 @@ class KVCache:
 
 
 @dataclass(frozen=True)
+class MLA:
+    """One layer's multi-head latent attention weights (deepseek2), absorbed as llama.cpp runs current files.
+
+    Every head's key and value are linear in one shared latent ``c`` (kv_lora_rank wide), so the cache keeps
+    ``[c, k_pe]`` and each head scores ``k_b[h] q_nope[h]`` against ``c`` (plus ``q_pe . k_pe``), then maps its
+    latent average to a value with ``v_b[h]``: MQA over a latent-wide head. A legacy ``attn_kv_b`` file is split
+    into the same per-head matrices when loaded (the converter's split, in float32: its key half is used
+    transposed), so both layouts run this one path; llama.cpp decompresses legacy files into plain MHA instead,
+    which re-associates the same sums.
+    """
+
+    wq_a: Linear | None  # attn_q_a, the q-LoRA down projection; None: attn_q alone ("lite")
+    q_a_norm: np.ndarray | None
+    wq: Linear  # attn_q_b (or attn_q): (n_head * head_dim) query rows
+    wkv_a: Linear  # attn_kv_a_mqa: [latent, k_pe] of the token
+    kv_a_norm: np.ndarray
+    k_b: list[Linear]  # per head: q_nope (nope) -> latent
+    v_b: list[Linear]  # per head: latent -> value (v_head_dim)
+
+    @classmethod
+    def load(cls, model: GGUFModel, lin, b: str) -> MLA:
+        cfg, d = model.cfg, model.dense
+        if cfg.mla_kv_b:
+            nope = cfg.head_dim - cfg.rope_dim
+            kv = d(b + "attn_kv_b.weight").reshape(cfg.n_head, nope + cfg.v_head_dim, cfg.kv_lora_rank)
+            k_b: list[Linear] = [DenseLinear(np.ascontiguousarray(w[:nope].T)) for w in kv]
+            v_b: list[Linear] = [DenseLinear(np.ascontiguousarray(w[nope:])) for w in kv]
+        else:
+            k_b, v_b = lin.stacked(b + "attn_k_b.weight"), lin.stacked(b + "attn_v_b.weight")
+        lora = cfg.q_lora_rank > 0
+        return cls(
+            wq_a=lin.linear(b + "attn_q_a.weight") if lora else None,
+            q_a_norm=d(b + "attn_q_a_norm.weight") if lora else None,
+            wq=lin.linear(b + ("attn_q_b.weight" if lora else "attn_q.weight")),
+            wkv_a=lin.linear(b + "attn_kv_a_mqa.weight"),
+            kv_a_norm=d(b + "attn_kv_a_norm.weight"),
+            k_b=k_b,
+            v_b=v_b,
+        )
+
+
+@dataclass(frozen=True)
 class Layer:
     attn_norm: np.ndarray
-    wq: Linear
-    wk: Linear
-    wv: Linear
+    wq: Linear | None  # None in an MLA layer: its projections are in *mla*
+    wk: Linear | None
+    wv: Linear | None
     wo: Linear
     bq: np.ndarray | None
     bk: np.ndarray | None
@@ -155,6 +213,7 @@ class Layer:
     selection_bias: np.ndarray | None  # exp_probs_b: moves the top-k choice, not the weights
     shexp: tuple[np.ndarray | None, FFN] | None  # (sigmoid gate or None for an un-gated one, the expert's gate/up/down)
     ffn: FFN | None  # a dense layer's FFN
+    mla: MLA | None = None
 
 
 class Backbone:
@@ -186,7 +245,8 @@ class Backbone:
             if moe and cfg.n_ff_shexp and self.spec.shared_expert is not SharedExpert.NONE:
                 gate = d(b + "ffn_gate_inp_shexp.weight") if self.spec.shared_expert is SharedExpert.SIGMOID_GATED else None
                 shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight"))
-            q, k, v = self._qkv(lin, b)
+            mla = MLA.load(model, lin, b) if self.spec.mla else None
+            q, k, v = self._qkv(lin, b) if mla is None else (None, None, None)
             self.layers.append(
                 Layer(
                     attn_norm=d(b + "attn_norm.weight"),
@@ -207,10 +267,11 @@ class Backbone:
                     selection_bias=opt(b + "exp_probs_b.bias") if moe else None,
                     shexp=shexp,
                     ffn=None if moe else lin.ffn(b + "ffn_gate.weight", b + "ffn_up.weight", b + "ffn_down.weight"),
+                    mla=mla,
                 )
             )
         self.router_params = cfg.router
-        self.yarn = Yarn(cfg.yarn_factor, cfg.yarn_orig_ctx) if cfg.yarn_factor else None
+        self.yarn = Yarn(cfg.yarn_factor, cfg.yarn_orig_ctx, cfg.yarn_log_mul) if cfg.yarn_factor else None
 
     def _qkv(self, lin: DenseWeights | PackedWeights, b: str) -> tuple[Linear, Linear, Linear]:
         """The Q, K and V projections of layer *b*: three tensors, or three row ranges of a fused attn_qkv
@@ -222,6 +283,9 @@ class Backbone:
 
     def attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
         cfg, L = self.cfg, self.layers[i]
+        if L.mla is not None:
+            return self.latent_attention(i, L.mla, h, pos, cache)
+        assert L.wq is not None and L.wk is not None and L.wv is not None, f"layer {i} has no attention projections"
         n, hd = h.shape[0], cfg.head_dim
         q, k, v = L.wq(h), L.wk(h), L.wv(h)
         if L.bq is not None:
@@ -259,6 +323,35 @@ class Backbone:
             out[r] = np.matmul(sink_softmax(scores, L.sinks), V)[:, 0, :]
         y = L.wo(out.reshape(n, cfg.q_dim))
         return y if L.bo is None else y + L.bo
+
+    def latent_attention(self, i: int, A: MLA, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
+        """deepseek2's attention as llama.cpp's absorbed graph: scores over ``[c, k_pe]`` rows, one query row at a
+        time over exactly its causal positions (batch invariant, as :meth:`attention`)."""
+        cfg, eps = self.cfg, self.cfg.rms_eps
+        n, heads, lat, nope = h.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
+        q = A.wq(h if A.wq_a is None else rms_norm(A.wq_a(h), A.q_a_norm, eps)).reshape(n, heads, cfg.head_dim)
+        kv = A.wkv_a(h)
+        style, base = self.spec.rope, cfg.rope_base(i)
+        k_pe = rope(np.ascontiguousarray(kv[:, None, lat:]), pos, base, style, yarn=self.yarn)[:, 0]
+        q_pe = rope(np.ascontiguousarray(q[..., nope:]), pos, base, style, yarn=self.yarn)
+        q_abs = np.stack([A.k_b[j](np.ascontiguousarray(q[:, j, :nope])) for j in range(heads)], axis=1)
+        queries = np.concatenate([q_abs, q_pe], axis=-1)  # (n, heads, lat + rope)
+        rows = np.concatenate([rms_norm(kv[:, :lat], A.kv_a_norm, eps), k_pe], axis=-1)  # (n, lat + rope): what is cached
+        if len(cache.k) <= i:
+            cache.k.append(rows)
+            cache.v.append(np.empty((n, 0), dtype=np.float32))
+        else:
+            cache.k[i] = np.concatenate([cache.k[i], rows])
+            cache.v[i] = np.empty((cache.k[i].shape[0], 0), dtype=np.float32)
+        mscale = np.float32(self.yarn.attn_mscale if self.yarn else 1.0)
+        scale = mscale * mscale / np.sqrt(np.float32(cfg.head_dim))
+        latent = np.empty((n, heads, lat), dtype=np.float32)
+        for r in range(n):
+            K = cache.k[i][: int(pos[r]) + 1]  # (t, lat + rope)
+            p = softmax(np.matmul(queries[r], np.ascontiguousarray(K.T)) * scale)  # (heads, t)
+            latent[r] = np.matmul(p, np.ascontiguousarray(K[:, :lat]))
+        out = np.stack([A.v_b[j](np.ascontiguousarray(latent[:, j])) for j in range(heads)], axis=1)
+        return self.layers[i].wo(out.reshape(n, heads * cfg.v_head_dim))
 
     def router(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         L = self.layers[i]

@@ -85,6 +85,8 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
             n_ff_shexp = int(_field(reader, a + "feed_forward_length"))
     n_dense_lead = int(opt("leading_dense_block_count", 0)) if spec.dense_lead else 0
     head_dim = int(opt("attention.key_length", n_embd // n_head))
+    mla = _read_mla(reader, a, head_dim) if spec.mla else {}
+    head_dim = mla.pop("head_dim", head_dim)
     n_rot = int(opt("rope.dimension_count", head_dim))
     gating = None
     if spec.gating_from_file:
@@ -143,7 +145,32 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         rope_theta_swa=float(opt("rope.freq_base_swa", 0.0)) if n_swa else 0.0,
         yarn_factor=float(opt("rope.scaling.factor", 0.0)) if yarn else 0.0,  # absent: factor 1, YaRN changes nothing
         yarn_orig_ctx=int(opt("rope.scaling.original_context_length", n_ctx)) if yarn else 0,
+        **mla,
     )
+
+
+def _read_mla(reader: gguf.GGUFReader, a: str, key_length: int) -> dict:
+    """The MLA fields of a deepseek2 file, as llama.cpp's loader reads them: both ``*_mla`` lengths present means the
+    absorbed layout (attn_k_b/attn_v_b, key_length = latent + rope), else the legacy attn_kv_b one (key_length = the
+    query/key head)."""
+
+    def opt(key: str, default):
+        return _field(reader, a + key, required=False, default=default)
+
+    if float(opt("attention.temperature_scale", 0.0)):
+        raise ModelFormatError(f"{a}attention.temperature_scale is set (Q temperature tuning, Mistral-Large style); moeswarm does not implement it")
+    k_mla, v_mla = int(opt("attention.key_length_mla", 0)), int(opt("attention.value_length_mla", 0))
+    kv_b = not (k_mla and v_mla)
+    head_dim = key_length if kv_b else k_mla
+    return {
+        "head_dim": head_dim,
+        "q_lora_rank": int(opt("attention.q_lora_rank", 0)),
+        "kv_lora_rank": int(_field(reader, a + "attention.kv_lora_rank")),
+        "v_head_dim": int(opt("attention.value_length", head_dim)) if kv_b else v_mla,
+        "mla_kv_b": kv_b,
+        # the converter wrote 0.1 * mscale_all_dim; divided in float32 as llama.cpp does (0.1f / 0.1f is exactly 1)
+        "yarn_log_mul": float(np.float32(opt("rope.scaling.yarn_log_multiplier", 0.0)) / np.float32(0.1)),
+    }
 
 
 @dataclass(frozen=True)

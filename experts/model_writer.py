@@ -34,14 +34,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         b = f"blk.{i}."
         # Insertion order is the random models' draw order: keep it, or every random model's weights (and digest) change.
         shapes[b + "attn_norm.weight"] = (d,)
-        if spec.fused_qkv:
-            shapes[b + "attn_qkv.weight"] = (cfg.q_dim + 2 * cfg.kv_dim, d)
+        if spec.mla:
+            shapes |= mla_shapes(cfg, b)
         else:
-            shapes |= {b + "attn_q.weight": (cfg.q_dim, d), b + "attn_k.weight": (cfg.kv_dim, d), b + "attn_v.weight": (cfg.kv_dim, d)}
-        shapes |= {
-            b + "attn_output.weight": (d, cfg.q_dim),
-            b + spec.ffn_norm + ".weight": (d,),
-        }
+            if spec.fused_qkv:
+                shapes[b + "attn_qkv.weight"] = (cfg.q_dim + 2 * cfg.kv_dim, d)
+            else:
+                shapes |= {b + "attn_q.weight": (cfg.q_dim, d), b + "attn_k.weight": (cfg.kv_dim, d), b + "attn_v.weight": (cfg.kv_dim, d)}
+            shapes[b + "attn_output.weight"] = (d, cfg.q_dim)
+        shapes[b + spec.ffn_norm + ".weight"] = (d,)
         if cfg.is_moe(i):
             shapes |= {
                 b + "ffn_gate_inp.weight": (e, d),
@@ -87,6 +88,27 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def mla_shapes(cfg: ModelConfig, b: str) -> dict[str, tuple[int, ...]]:
+    """One deepseek2 layer's attention tensors (src/models/deepseek2.cpp ``load_arch_tensors``)."""
+    d, n, lat, rope, v = cfg.n_embd, cfg.n_head, cfg.kv_lora_rank, cfg.rope_dim, cfg.v_head_dim
+    nope = cfg.head_dim - rope
+    shapes: dict[str, tuple[int, ...]] = {
+        b + "attn_kv_a_mqa.weight": (lat + rope, d),
+        b + "attn_kv_a_norm.weight": (lat,),
+        b + "attn_output.weight": (d, n * v),
+    }
+    if cfg.q_lora_rank:
+        r = cfg.q_lora_rank
+        shapes |= {b + "attn_q_a.weight": (r, d), b + "attn_q_a_norm.weight": (r,), b + "attn_q_b.weight": (cfg.q_dim, r)}
+    else:
+        shapes[b + "attn_q.weight"] = (cfg.q_dim, d)
+    if cfg.mla_kv_b:
+        shapes[b + "attn_kv_b.weight"] = (n * (nope + v), lat)  # per head: k_nope rows, then v rows
+    else:
+        shapes |= {b + "attn_k_b.weight": (n, lat, nope), b + "attn_v_b.weight": (n, v, lat)}
+    return shapes
+
+
 # Small tensors stay F32 whatever the requested type, as llama.cpp's converter does:
 # norms, biases (the stacked expert biases too) and the router are tiny and precision-sensitive.
 def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
@@ -118,8 +140,9 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     w.add_feed_forward_length(cfg.n_ff_dense or cfg.n_ff_exp)
     w.add_head_count(cfg.n_head)
     w.add_head_count_kv(cfg.n_head_kv)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    key_length, value_length = cfg.gguf_kv_lengths
+    w.add_key_length(key_length)
+    w.add_value_length(value_length)
     w.add_rope_dimension_count(cfg.rope_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
@@ -149,6 +172,15 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
         w.add_sliding_window_pattern(cfg.swa_period)
     if cfg.rope_theta_swa:
         w.add_rope_freq_base_swa(cfg.rope_theta_swa)
+    if cfg.kv_lora_rank:
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+        if not cfg.mla_kv_b:
+            w.add_key_length_mla(cfg.head_dim)
+            w.add_value_length_mla(cfg.v_head_dim)
+        if cfg.yarn_log_mul:
+            w.add_rope_scaling_yarn_log_mul(0.1 * cfg.yarn_log_mul)
     if cfg.yarn_orig_ctx:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         if cfg.yarn_factor:

@@ -69,6 +69,11 @@ RANDOM_FEATURES: dict[str, dict] = {
     "dots1": {"n_dense_lead": 1, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
     "ernie4_5-moe": {"n_dense_lead": 1, "groups": (4, 2)},
     "bailingmoe2": {"n_dense_lead": 1, "n_nextn": 1, "half_rope": True, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
+    # DeepSeek-V3's router and schedule, a trailing MTP block (as GLM-4.7-Flash); MLA with V3's proportions (rope =
+    # nope/2, v = nope; latent 2x and q-LoRA 3x nope, less than V3's 4x/12x); YaRN factor 4 over 64 positions with
+    # V3's mscale_all_dim of 1.
+    "deepseek2": {"n_dense_lead": 1, "n_nextn": 1, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2),
+                  "yarn_factor": 4.0, "yarn_orig_ctx": 64, "yarn_log_mul": 1.0, "mla": (3, 2)},
 }
 
 
@@ -85,8 +90,13 @@ def random_config(
     n_ff_exp: int = 32,
     n_ff_shexp: int | None = None,
     n_vocab: int | None = None,
+    mla_kv_b: bool = False,
 ) -> ModelConfig:
-    """A small model of *arch* with every feature of the arch on (:data:`RANDOM_FEATURES`)."""
+    """A small model of *arch* with every feature of the arch on (:data:`RANDOM_FEATURES`).
+
+    For an MLA arch *head_dim* is the un-roped query/key part (qk_nope, also the value head), and *mla_kv_b*
+    writes the legacy attn_kv_b layout instead of attn_k_b/attn_v_b.
+    """
     from .arch import SharedExpert, arch_spec
 
     spec = arch_spec(arch)
@@ -104,6 +114,14 @@ def random_config(
         raise ModelFormatError(f"top-k {n_expert_used} must be between 1 and the expert count {n_expert}")
     head_dim = head_dim or n_embd // n_head
     feat = RANDOM_FEATURES.get(arch, {})
+    mla: dict = {}
+    if spec.mla:
+        q_mul, kv_mul = feat["mla"]
+        nope, rope = head_dim, head_dim // 2
+        mla = {"q_lora_rank": q_mul * nope, "kv_lora_rank": kv_mul * nope, "v_head_dim": nope, "mla_kv_b": mla_kv_b, "yarn_log_mul": feat["yarn_log_mul"]}
+        head_dim, n_head_kv = nope + rope, n_head if mla_kv_b else 1  # the absorbed layout caches one latent "head"
+    elif mla_kv_b:
+        raise ModelFormatError(f"{arch} has no latent attention: the attn_kv_b layout is deepseek2's")
     n_dense_lead = feat.get("n_dense_lead", 0)
     if n_layer <= n_dense_lead:
         raise ModelFormatError(f"{arch} random models have {n_dense_lead} dense lead layer(s); give more than {n_dense_lead} layers")
@@ -129,7 +147,7 @@ def random_config(
         n_nextn=feat.get("n_nextn", 0),
         n_dense_lead=n_dense_lead,
         n_ff_dense=2 * n_ff_exp if n_dense_lead else 0,
-        n_rot=head_dim // 2 if feat.get("half_rope") else 0,
+        n_rot=head_dim // 2 if feat.get("half_rope") else head_dim // 3 if spec.mla else 0,
         gating=feat.get("gating"),
         norm_topk=feat.get("norm_topk"),
         expert_weights_scale=feat.get("expert_weights_scale", 0.0),
@@ -140,6 +158,7 @@ def random_config(
         rope_theta_swa=feat.get("rope_theta_swa", 0.0),
         yarn_factor=feat.get("yarn_factor", 0.0),
         yarn_orig_ctx=feat.get("yarn_orig_ctx", 0),
+        **mla,
     )
 
 

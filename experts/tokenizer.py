@@ -82,6 +82,20 @@ _GPT4O_RE = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# DeepSeek-V3 / R1 (deepseek-v3): digits in threes, CJK runs, then its word regex, applied in turn (llama-vocab.cpp's DEEPSEEK3_LLM).
+_DEEPSEEK3_RES = (
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
+# Kimi K2 (kimi-k2): Han runs, then words of any other letters. tokenization_kimi.py's pattern splits words at case
+# changes and counts marks as letters, but llama.cpp's hand-written splitter (unicode.cpp) does neither: this is its.
+_KIMI_K2_RE = (
+    r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{L}&&[^\p{Han}]]+" + _CONTRACTIONS + r"?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class PreTokenizer:
@@ -104,6 +118,8 @@ _GLM4 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, default_bos=False)
 _CHATGLM_BPE = PreTokenizer((_LLAMA3_RE,), default_bos=False)
 _GPT4O = PreTokenizer((_GPT4O_RE,))
 _BAILINGMOE = PreTokenizer((_BAILINGMOE_RE,))
+_DEEPSEEK3 = PreTokenizer(_DEEPSEEK3_RES)
+_KIMI_K2 = PreTokenizer((_KIMI_K2_RE,))
 
 # Names llama.cpp maps to the same behaviour share a row.
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
@@ -123,6 +139,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "gpt-4o": _GPT4O,  # gpt-oss
     "bailingmoe": _BAILINGMOE,
     "bailingmoe2": _BAILINGMOE,
+    "deepseek-v3": _DEEPSEEK3,  # DeepSeek-V3 / R1
+    "kimi-k2": _KIMI_K2,
 }
 SUPPORTED_MODELS = ("gpt2", "llama")
 

@@ -105,6 +105,7 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
         "hosted": {"layers": f"{lr.start}-{lr.stop - 1}", "experts": str(hosted), "kernel": kernel_name},
         "load": asdict(plan),
         "packed_bytes_per_layer": {i: packed_bytes(m, range(i, i + 1), hosted) for i in lr},
+        "kv_cache_bytes_per_token_per_layer": 4 * m.cfg.kv_cache_floats,  # float32, as the backbone keeps it
     }
     if as_json:
         emit_json(info)
@@ -114,6 +115,7 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
     c = m.cfg
     dense = len(m.layers) - len(m.moe_layers)
     click.echo(f"hidden {c.n_embd}, {c.n_layer} layers ({dense} of these dense, no experts), {c.n_expert} experts top-{c.n_expert_used}, expert FFN {c.n_ff_exp}, shared FFN {c.n_ff_shexp}")
+    click.echo(f"KV cache: {info['kv_cache_bytes_per_token_per_layer']} bytes per token per layer ({c.kv_cache_floats} float32" + (", the MLA latent)" if c.kv_lora_rank else ")"))
     click.echo(f"hosting layers {info['hosted']['layers']} x experts {hosted} with kernel {kernel_name}: {plan.describe()}")
 
 
@@ -133,6 +135,7 @@ def model_group() -> None:
 @click.option("--top-k", "n_expert_used", default=2, show_default=True)
 @click.option("--expert-ffn", "n_ff_exp", default=32, show_default=True)
 @click.option("--shared-ffn", "n_ff_shexp", default=None, type=int, help="Shared expert width (qwen2moe; default 2x expert FFN).")
+@click.option("--mla-kv-b", "mla_kv_b", is_flag=True, help="deepseek2: the legacy attn_kv_b layout instead of attn_k_b/attn_v_b.")
 @click.option("--qtype", default="F32", show_default=True, type=click.Choice(sorted(q.name for q in SUPPORTED_QTYPES)))
 @click.option("--seed", default=0, show_default=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))

@@ -50,3 +50,21 @@ def test_gpt_oss_mxfp4_random_model_keeps_biases_and_router_f32(tmp_path):
     load = json.loads(p.stdout)["load"]
     weights = sum(m.tensors[f"blk.{i}.{k}_exps.weight"].n_bytes for i in range(2) for k in ("ffn_gate", "ffn_up", "ffn_down"))
     assert load["packed_bytes"] == weights + 2 * 8 * (32 + 32 + 64) * 4
+
+
+def test_deepseek2_random_model_and_inspect_report_the_latent_kv_cache(tmp_path):
+    """--arch deepseek2 [--mla-kv-b] writes either MLA layout; inspect reports the cache as the latent plus the roped
+    key part (latent 32 + rope 8 floats at these dims; 576 at DeepSeek-V3's), in JSON and in its text."""
+    import json
+
+    for flag, tensor in (([], "blk.0.attn_k_b.weight"), (["--mla-kv-b"], "blk.0.attn_kv_b.weight")):
+        out = tmp_path / f"ds{len(flag)}.gguf"
+        p = subprocess.run([sys.executable, "-m", "node", "model", "random", "--arch", "deepseek2", "--layers", "3", *flag, "-o", str(out)], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert GGUFModel(out).has(tensor)
+        p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out), "--json"], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        info = json.loads(p.stdout)
+        assert info["moe_layers"] == [1, 2] and info["config"]["n_nextn"] == 1 and info["kv_cache_bytes_per_token_per_layer"] == (32 + 8) * 4
+        p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out)], capture_output=True, text=True, timeout=120)
+        assert "KV cache: 160 bytes per token per layer (40 float32, the MLA latent)" in p.stdout, p.stdout

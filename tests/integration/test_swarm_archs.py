@@ -1,4 +1,4 @@
-"""olmoe / glm4moe / minimax-m2 / gpt-oss through a real local swarm: one worker on the full file, one on a slice file."""
+"""olmoe / glm4moe / minimax-m2 / gpt-oss / deepseek2 through a real local swarm: one worker on the full file, one on a slice file."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from p2p.identity import Identity
 from tests.support import moeswarm
 from tests.support.engine import local_engine
 
-from ..conftest import NEW_ARCHS, make_model
+from ..conftest import ISSUE15_ARCHS, NEW_ARCHS, make_model
 
 pytestmark = pytest.mark.slow
 N_TOKENS = 16
@@ -33,7 +33,7 @@ async def remote_run(model: GGUFModel, boot: str) -> list:
         return await asyncio.to_thread(lambda: list(generate(bb, PROMPT, N_TOKENS, moe.hook)))
 
 
-@pytest.mark.parametrize("arch", NEW_ARCHS)
+@pytest.mark.parametrize("arch", NEW_ARCHS + ISSUE15_ARCHS)
 def test_swarm_with_a_slice_file_generates_the_local_tokens(model_dir, tmp_path, arch):
     """Experts 0-3 from the full file, 4-7 from a `moeswarm slice` of layers 0-2 (glm4moe's layer 0 is dense): same bits as local."""
     model = GGUFModel(make_model(model_dir, arch, n_layer=3))
@@ -57,7 +57,7 @@ def test_swarm_with_a_slice_file_generates_the_local_tokens(model_dir, tmp_path,
     assert all(a.tobytes() == b.tobytes() for (_, a), (_, b) in zip(remote, local, strict=True))
 
 
-@pytest.mark.parametrize("arch", NEW_ARCHS)
+@pytest.mark.parametrize("arch", NEW_ARCHS + ISSUE15_ARCHS)
 def test_demo_runs_a_random_model_of_each_new_arch(model_dir, tmp_path, arch):
     """`moeswarm demo --model FILE` (bootstrap, two workers, backbone): the tokens equal the single-process run."""
     model = GGUFModel(make_model(model_dir, arch, n_layer=3))

@@ -222,3 +222,39 @@ def test_rope_scaling_other_than_yarn_is_refused(tmp_path):
     write_model(p, cfg, random_tensors(cfg), byte_level_tokenizer(), extra_kv={"qwen3moe.rope.scaling.type": "linear"})
     with pytest.raises(ModelFormatError, match=r"qwen3moe.rope.scaling.type is 'linear'; supported: none, yarn"):
         GGUFModel(p)
+
+
+@pytest.mark.parametrize("kv_b", [False, True], ids=["attn_k_b/attn_v_b", "attn_kv_b"])
+def test_deepseek2_reads_its_latent_attention_router_and_yarn(model_dir, kv_b):
+    """Both MLA layouts read to one config: q-LoRA, latent, head widths, YaRN's log multiplier, V3's router; the
+    KV cache holds the latent and the roped key part per token per layer, in both layouts."""
+    from experts.forward import Backbone, KVCache, local_moe
+    from experts.moe import ungrouped_moe
+
+    m = GGUFModel(make_model(model_dir, "deepseek2", n_layer=3, mla_kv_b=kv_b))
+    c = m.cfg
+    assert (c.q_lora_rank, c.kv_lora_rank, c.head_dim, c.rope_dim, c.v_head_dim, c.mla_kv_b) == (48, 32, 24, 8, 16, kv_b)
+    assert c.n_head_kv == (4 if kv_b else 1) and c.gguf_kv_lengths == ((24, 16) if kv_b else (40, 32))
+    assert (c.yarn_factor, c.yarn_orig_ctx, c.yarn_log_mul, c.n_dense_lead, c.n_ff_shexp) == (4.0, 64, 1.0, 1, 64)
+    r = c.router
+    assert (r.gating, r.norm, r.scale, r.n_groups, r.n_group_used) == (Gating.SIGMOID, True, 2.5, 4, 2)
+    assert m.has("blk.0.attn_kv_b.weight") == kv_b and m.has("blk.0.attn_k_b.weight") != kv_b and m.shape("blk.1.attn_q_b.weight") == (96, 48)
+    store, bb, cache = ExpertStore(m), Backbone(m), KVCache()
+    bb.forward([1, 2, 3, 4, 5], cache, local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w)))
+    assert c.kv_cache_floats == 40 and sum(a.nbytes for a in cache.k + cache.v) == 5 * 3 * 40 * 4
+
+
+def test_deepseek_v3_shapes_cache_576_floats_per_token_per_layer():
+    """At DeepSeek-V3's dims (latent 512, rope 64) the cache is the 576-float latent, not 128 heads' K and V."""
+    cfg = dataclasses.replace(random_config("deepseek2"), n_head=128, head_dim=192, n_rot=64, kv_lora_rank=512, v_head_dim=128)
+    assert cfg.kv_cache_floats == 576 and cfg.gguf_kv_lengths == (576, 512)
+    assert dataclasses.replace(cfg, mla_kv_b=True).kv_cache_floats == 576  # a legacy file is cached as the latent too
+
+
+def test_deepseek2_temperature_tuning_is_refused(tmp_path):
+    """Q temperature scaling (attention.temperature_scale, Mistral-Large) is not implemented: one clear line."""
+    cfg = random_config("deepseek2")
+    p = tmp_path / "temp.gguf"
+    write_model(p, cfg, random_tensors(cfg), byte_level_tokenizer(), extra_kv={"deepseek2.attention.temperature_scale": 0.5})
+    with pytest.raises(ModelFormatError, match="temperature_scale"):
+        GGUFModel(p)

@@ -117,11 +117,27 @@ def test_greedy_tokens_and_logits_equal_plain_decoding(kjv, text, k_max):
     assert_same(plain, list(speculative_generate(bb, prompt, 40, hook, stop={tok.eos_id}, k_max=k_max)))
 
 
+@pytest.fixture(scope="module")
+def deepseek2(model_dir):
+    """A random deepseek2 (its KV cache is the MLA latent, rolled back like any other) and a byte-token prompt."""
+    model = GGUFModel(make_model(model_dir, "deepseek2", n_layer=3))
+    store = ExpertStore(model)
+    return Backbone(model), local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w)), [264, 72, 101, 108, 108, 111]
+
+
+@pytest.fixture(params=["kjv", "deepseek2"])
+def drafted(request):
+    """(backbone, hook, prompt) of the embedded model or of a random deepseek2."""
+    if request.param == "kjv":
+        bb, hook, tok = request.getfixturevalue("kjv")
+        return bb, hook, tok.encode(PROMPTS[1])
+    return request.getfixturevalue("deepseek2")
+
+
 @pytest.mark.parametrize("drafter", [NoDraft(), Fixed([0, 1, 2, 3, 4, 5, 6, 7]), PromptLookupDrafter(max_ngram=1)], ids=["none", "fixed", "unigram"])
-def test_greedy_output_does_not_depend_on_the_drafter(kjv, drafter):
+def test_greedy_output_does_not_depend_on_the_drafter(drafted, drafter):
     """Wrong drafts, no drafts or a fixed k: the output is still plain decoding's."""
-    bb, hook, tok = kjv
-    prompt = tok.encode(PROMPTS[0])
+    bb, hook, prompt = drafted
     plain = list(generate(bb, prompt, 30, hook))
     assert_same(plain, list(speculative_generate(bb, prompt, 30, hook, drafter=drafter, adaptive=False)))
 
@@ -163,10 +179,9 @@ def test_stop_on_the_first_token(kjv):
 
 
 @pytest.mark.parametrize("speculate", [False, True], ids=["generate", "speculative"])
-def test_starting_from_a_cached_prefix_feeds_only_the_rest(kjv, speculate):
+def test_starting_from_a_cached_prefix_feeds_only_the_rest(drafted, speculate):
     """Given a cache holding the prompt's first tokens, the prefill feeds only the others and the output keeps every bit."""
-    bb, hook, tok = kjv
-    prompt = tok.encode(PROMPTS[1])
+    bb, hook, prompt = drafted
     run = speculative_generate if speculate else generate
     cache = KVCache()
     bb.forward(prompt[:5], cache, hook)
