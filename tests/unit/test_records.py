@@ -143,7 +143,7 @@ def test_size_limit_is_checked_before_parsing():
         kernel="k" * MAX_KERNEL_BYTES,
     )
     record, value = issue(ALICE, biggest, now=NOW, ttl=600, seq=2**64 - 1)
-    assert len(value) == 1499 <= MAX_RECORD_BYTES
+    assert len(value) == 1500 <= MAX_RECORD_BYTES
     assert decode_and_validate(record.key, value, NOW) == record
 
 
@@ -154,7 +154,7 @@ def test_truncated_and_padded_values_are_malformed():
         decode_and_validate(record.key, value[:-1], NOW)
     with pytest.raises(MalformedRecord, match="trailing"):
         decode_and_validate(record.key, value + b"\0", NOW)
-    with pytest.raises(MalformedRecord, match="MSR2"):
+    with pytest.raises(MalformedRecord, match="MSR3"):
         decode_and_validate(record.key, b"XXXX" + value[4:], NOW)
 
 
