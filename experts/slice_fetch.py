@@ -230,11 +230,12 @@ class FetchPlan:
         self.drop(peer, f"sent bytes for expert {item.expert} of {item.name} that do not match the model's leaf")
         return False
 
-    def failed(self, peer: str, item: ExpertRows, reason: str) -> None:
-        """The request for *item* got no usable answer (timeout, refusal): queue it again; strikes drop the holder."""
+    def failed(self, peer: str, item: ExpertRows, reason: str, *, strike: bool = True) -> None:
+        """The request for *item* got no usable answer (timeout, refusal): queue it again; strikes drop the holder
+        (a busy holder gets none: it asked us to come back later)."""
         self._busy.pop(item, None)
         holder = self.holders.get(peer)
-        if holder is not None:
+        if holder is not None and strike:
             holder.strikes += 1
             if holder.strikes >= MAX_STRIKES:
                 self.drop(peer, f"{holder.strikes} failed requests, the last: {reason}")
