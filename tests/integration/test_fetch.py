@@ -58,6 +58,8 @@ def test_a_slice_from_three_holders_is_the_cut_and_serves(tmp_path, swarm, cut):
     """Every holder contributes; the file is `moeswarm slice`'s byte for byte; a worker loads it (its slice check
     proves every expert against the digest again)."""
     cluster, boot = swarm
+    printed = moeswarm("inspect", str(MODEL.path)).stdout.strip().splitlines()[-1]  # the trust root, as published
+    assert printed.split()[1] == MODEL.digest
     out = tmp_path / "fetched.gguf"
     result = fetch(boot, out)
     assert out.read_bytes() == cut
@@ -101,3 +103,13 @@ def test_a_corrupting_holder_is_dropped_and_its_experts_come_from_the_others(tmp
         assert peer not in result["by_holder"]
     finally:
         bad.stop()
+
+
+def test_a_digest_nobody_serves_is_one_error_line(tmp_path, swarm):
+    """Another model's digest: no holder answers for it, so nothing is written; exit 2 and one line."""
+    _, boot = swarm
+    r = moeswarm(*fetch_args(boot, tmp_path / "x.gguf")[:2], "ab" * 32, *fetch_args(boot, tmp_path / "x.gguf")[3:], timeout=120)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "no worker on the DHT serves slices of model abababab" in errors[0], r.stderr
+    assert not (tmp_path / "x.gguf").exists()
