@@ -50,7 +50,8 @@ class FetchResult:
     total_bytes: int
     fetched_bytes: int  # verified bytes received this run
     resumed_bytes: int  # verified bytes found staged by an earlier, interrupted run
-    seconds: float
+    seconds: float  # the whole fetch: DHT lookups, SliceInfo, pieces, the write
+    transfer_seconds: float  # from the first piece request to the last expert verified
     by_holder: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
 
@@ -190,15 +191,17 @@ async def fetch_slice(identity: Identity, opts: FetchOptions, progress: Callable
             plan.add_holder(Holder(peer, range(*info.layers), range(*info.experts)))
         if progress:
             progress(plan.done_bytes, plan.total_bytes)
+        t_transfer = time.perf_counter()
         await asyncio.gather(*(fetch.lane(peer, plan, staging) for peer in list(plan.holders) for _ in range(opts.per_holder)))
         if not plan.finished:
             missing = plan.stuck()
             what = f"expert {missing.expert} of {missing.name}" if missing else "some experts"
             raise SliceError(f"no live holder serves {what}; dropped holders: {plan.dropped or 'none'}. Run fetch again to resume")
+        transfer = time.perf_counter() - t_transfer
         await asyncio.to_thread(layout.write, opts.out, staging)
         staging.remove()
     finally:
         await endpoint.close()
-    result = FetchResult(opts.out, plan.total_bytes, plan.fetched_bytes, resumed, time.perf_counter() - t0, fetch.by_holder, plan.dropped)
+    result = FetchResult(opts.out, plan.total_bytes, plan.fetched_bytes, resumed, time.perf_counter() - t0, transfer, fetch.by_holder, plan.dropped)
     log.info("fetch.done", out=str(opts.out), fetched_mb=round(result.fetched_bytes / 1e6, 2), resumed_mb=round(resumed / 1e6, 2), holders=len(result.by_holder), dropped=len(result.dropped), seconds=round(result.seconds, 2))
     return result

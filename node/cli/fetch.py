@@ -48,6 +48,6 @@ def fetch_cmd(model_digest, layers, experts_, output, bootstrap, bootstrap_wait,
     with progress.bars(progress.wanted(as_json=as_json)) as shown:
         result = asyncio.run(run(shown))
     if as_json:
-        emit_json({"out": str(result.out), "total_bytes": result.total_bytes, "fetched_bytes": result.fetched_bytes, "resumed_bytes": result.resumed_bytes, "seconds": result.seconds, "by_holder": result.by_holder, "dropped": result.dropped})
+        emit_json({"out": str(result.out), "total_bytes": result.total_bytes, "fetched_bytes": result.fetched_bytes, "resumed_bytes": result.resumed_bytes, "seconds": result.seconds, "transfer_seconds": result.transfer_seconds, "by_holder": result.by_holder, "dropped": result.dropped})
     else:
         click.echo(f"wrote {result.out}: layers {layers}, experts {experts_} of model {digest[:16]}... ({result.fetched_bytes / 1e6:.1f} MB fetched from {len(result.by_holder)} holders, {result.resumed_bytes / 1e6:.1f} MB resumed, {len(result.dropped)} dropped, {result.seconds:.1f} s)")
