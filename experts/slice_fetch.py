@@ -31,6 +31,10 @@ log = structlog.get_logger("experts.slice_fetch")
 MAX_STRIKES = 3  # timeouts or refusals before a holder is dropped (one bad piece drops it at once)
 
 
+class OutsideModel(SliceError):
+    """The requested layers or experts are not in the model (the request is wrong, not the holder that said so)."""
+
+
 @dataclass(frozen=True)
 class ExpertRows:
     """One expert's rows of one stacked tensor: the unit fetched, verified and staged."""
@@ -66,11 +70,11 @@ class SliceLayout:
             name, qtype, shape, h = line.split("|")
             lines[name] = (gguf.GGMLQuantizationType[qtype], tuple(int(x) for x in shape.split("x")), h)
         if not layers or layers.start < 0 or layers.stop > cfg.n_layer:
-            raise SliceError(f"layers {layers.start}-{layers.stop - 1} are out of bounds: the model has layers 0-{cfg.n_layer - 1}")
+            raise OutsideModel(f"layers {layers.start}-{layers.stop - 1} are out of bounds: the model has layers 0-{cfg.n_layer - 1}")
         if experts.stop > cfg.n_expert:
-            raise SliceError(f"experts {experts} are out of bounds: the model has experts 0-{cfg.n_expert - 1}")
+            raise OutsideModel(f"experts {experts} are out of bounds: the model has experts 0-{cfg.n_expert - 1}")
         if not any(cfg.is_moe(i) for i in layers):
-            raise SliceError(f"layers {layers.start}-{layers.stop - 1} are all dense (no experts)")
+            raise OutsideModel(f"layers {layers.start}-{layers.stop - 1} are all dense (no experts)")
         return cls(digest, cfg, manifest, layers, experts, _lines=lines)
 
     @property

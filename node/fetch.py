@@ -18,7 +18,7 @@ import structlog
 
 from experts.errors import SliceError
 from experts.gguf_model import ExpertRange
-from experts.slice_fetch import ExpertRows, FetchPlan, Holder, SliceLayout, Staging
+from experts.slice_fetch import ExpertRows, FetchPlan, Holder, OutsideModel, SliceLayout, Staging
 from p2p import wire
 from p2p.dht import LibP2PDiscovery
 from p2p.identity import Identity, PeerId
@@ -114,9 +114,9 @@ class _Fetch:
             if layout is None:
                 try:
                     layout = SliceLayout.from_manifest(self.opts.model_digest, answer.manifest, self.opts.layers, self.opts.experts)
+                except OutsideModel:
+                    raise  # the request is wrong, not the holder (its manifest is the digest's)
                 except SliceError as exc:
-                    if "out of bounds" in str(exc) or "dense" in str(exc):
-                        raise  # the request is wrong, not the holder
                     log.warning("fetch.holder_dropped", peer=peer, reason=str(exc))
                     continue
             elif answer.manifest != tuple(layout.manifest):

@@ -8,7 +8,7 @@ import pytest
 from experts.embedded import EMBEDDED_MODEL
 from experts.errors import SliceError
 from experts.gguf_model import ExpertRange, GGUFModel
-from experts.slice_fetch import FetchPlan, Holder, SliceLayout, Staging
+from experts.slice_fetch import FetchPlan, Holder, OutsideModel, SliceLayout, Staging
 from experts.slices import write_slice
 
 MODEL = GGUFModel(EMBEDDED_MODEL)
@@ -27,6 +27,11 @@ def test_a_manifest_of_another_model_is_refused():
     assert forged != MODEL.manifest
     with pytest.raises(SliceError, match="does not hash to model"):
         SliceLayout.from_manifest(MODEL.digest, forged, LAYERS, EXPERTS)
+
+
+def test_a_range_outside_the_model_is_the_requests_fault():
+    with pytest.raises(OutsideModel, match="out of bounds"):
+        SliceLayout.from_manifest(MODEL.digest, MODEL.manifest, range(0, 9), EXPERTS)
 
 
 def test_forged_leaves_are_refused():
