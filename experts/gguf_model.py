@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -19,7 +20,7 @@ import numpy as np
 
 from .arch import EXPERT_BIASES, EXPERT_TENSORS, FUSED_GATE_UP, MTP_OPTIONAL, Gating, SharedExpert, arch_spec
 from .config import ModelConfig, TokenizerSpec
-from .errors import ModelFormatError
+from .errors import ModelFormatError, SliceError
 from .model_writer import expected_shapes
 
 SLICE_PREFIX = "moeswarm.slice."
@@ -240,15 +241,12 @@ class GGUFModel:
 
     def expert_kinds(self, layer: int) -> tuple[str, ...]:
         """The stacked expert tensors of *layer*: gate/up/down, or a fused gate_up plus down."""
-        if self.has(f"blk.{layer}.{FUSED_GATE_UP}.weight"):
-            return (FUSED_GATE_UP, "ffn_down_exps")
-        return EXPERT_TENSORS
+        return expert_kinds(self.has, layer)
 
     def expert_tensors(self, layer: int) -> tuple[str, ...]:
         """Every tensor of *layer* stacked by expert (weights, then the arch's expert biases): what a slice
         cuts along the expert axis and proves expert by expert."""
-        names = tuple(f"blk.{layer}.{kind}.weight" for kind in self.expert_kinds(layer))
-        return names + (tuple(f"blk.{layer}.{b}" for b in EXPERT_BIASES) if self.cfg.spec.expert_bias else ())
+        return expert_tensor_names(self.cfg, self.has, layer)
 
     def _check_shapes(self) -> None:
         cfg = self.cfg
@@ -395,6 +393,35 @@ def model_digest(manifest: list[str]) -> str:
 def _is_expert_tensor(name: str) -> bool:
     """Stacked by expert, so hashed expert by expert (a Merkle list): the weights and their biases."""
     return name.endswith(("_exps.weight", "_exps.bias"))
+
+
+def expert_kinds(has: Callable[[str], bool], layer: int) -> tuple[str, ...]:
+    """The stacked expert tensors of *layer* in a file whose tensor names *has* knows."""
+    if has(f"blk.{layer}.{FUSED_GATE_UP}.weight"):
+        return (FUSED_GATE_UP, "ffn_down_exps")
+    return EXPERT_TENSORS
+
+
+def expert_tensor_names(cfg: ModelConfig, has: Callable[[str], bool], layer: int) -> tuple[str, ...]:
+    """The tensors of *layer* stacked by expert, in slice order; shared by a GGUF file and a manifest (a fetch
+    writes a slice from a manifest alone, in the order a cut from the full file writes it)."""
+    names = tuple(f"blk.{layer}.{kind}.weight" for kind in expert_kinds(has, layer))
+    return names + (tuple(f"blk.{layer}.{b}" for b in EXPERT_BIASES) if cfg.spec.expert_bias else ())
+
+
+def config_from_line(line: str) -> ModelConfig:
+    """The inverse of :func:`config_line` (a manifest's first line); SliceError if it is not one."""
+    prefix = "config|"
+    try:
+        if not line.startswith(prefix):
+            raise ValueError("no config| prefix")
+        cfg = ModelConfig(**json.loads(line[len(prefix) :]))
+        arch_spec(cfg.arch)
+    except (ValueError, TypeError, KeyError, ModelFormatError) as exc:
+        raise SliceError(f"the manifest's config line is not one this version reads ({exc})") from None
+    if config_line(cfg) != line:
+        raise SliceError("the manifest's config line is not canonical")
+    return cfg
 
 
 def config_line(cfg: ModelConfig) -> str:

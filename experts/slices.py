@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -19,6 +21,7 @@ import numpy as np
 import structlog
 
 from .arch import Activation
+from .config import ModelConfig
 from .errors import SliceError
 from .gguf_model import SLICE_PREFIX, ExpertRange, GGUFModel, config_line, model_digest
 from .kernels.reference import ReferenceKernel
@@ -40,6 +43,21 @@ def parse_range(text: str, limit: int, what: str) -> range:
     return range(start, stop)
 
 
+@dataclass(frozen=True)
+class SliceTensor:
+    """One stacked expert tensor of a slice: its source model's type, shape (numpy order, experts first) and leaves."""
+
+    name: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    leaves: list[str]
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert's rows in the file (block-aligned: rows are cut whole)."""
+        return int(np.prod(gguf.quant_shape_to_byte_shape(self.shape, self.qtype)[1:]))
+
+
 def write_slice(model: GGUFModel, layers: range, experts: ExpertRange, out: str | Path, *, progress_bar: bool = False) -> Path:
     """Write the slice (layers x experts) of a full model to *out* (*progress_bar*: gguf's own bar of the bytes
     written, on stderr: the CLI asks for it on a terminal only)."""
@@ -50,26 +68,34 @@ def write_slice(model: GGUFModel, layers: range, experts: ExpertRange, out: str 
         raise SliceError(f"layers {layers.start}-{layers.stop - 1} are out of bounds: the model has layers 0-{cfg.n_layer - 1}")
     if experts.stop > cfg.n_expert:
         raise SliceError(f"experts {experts} are out of bounds: the model has experts 0-{cfg.n_expert - 1}")
-    moe = [i for i in layers if cfg.is_moe(i)]  # dense layers in the range have nothing to slice
-    if not moe:
+    if not any(cfg.is_moe(i) for i in layers):
         raise SliceError(f"layers {layers.start}-{layers.stop - 1} are all dense (no experts); MoE layers are {cfg.moe_layers[0]}-{cfg.moe_layers[-1]}")
+    tensors = []
+    for i in filter(cfg.is_moe, layers):  # dense layers in the range have nothing to slice
+        for name in model.expert_tensors(i):  # weights and expert biases alike: cut by expert, proven by expert
+            t = SliceTensor(name, model.qtype(name), model.shape(name), model.leaves[name])
+            tensors.append((t, model.raw(name).reshape(t.shape[0], -1)[experts.start : experts.stop]))
+    return write_slice_file(out, cfg, model.manifest, layers, experts, tensors, progress_bar=progress_bar)
+
+
+def write_slice_file(out: str | Path, cfg: ModelConfig, manifest: list[str], layers: range, experts: ExpertRange, tensors: Sequence[tuple[SliceTensor, np.ndarray]], *, progress_bar: bool = False) -> Path:
+    """The one writer of slice files: from a full model's memory map (:func:`write_slice`) or from experts fetched
+    and verified piece by piece (:mod:`experts.slice_fetch`), so both give the same bytes. Each tensor comes with
+    its experts' rows, shape (len(experts), bytes per expert)."""
     w = gguf.GGUFWriter(str(out), cfg.arch)
     add_hparams(w, cfg)
     p = SLICE_PREFIX
-    w.add_string(p + "model_digest", model.digest)
+    w.add_string(p + "model_digest", model_digest(manifest))
     w.add_uint32(p + "layer_start", layers.start)
     w.add_uint32(p + "layer_stop", layers.stop)
     w.add_uint32(p + "expert_start", experts.start)
     w.add_uint32(p + "expert_stop", experts.stop)
-    w.add_array(p + "manifest", model.manifest)
+    w.add_array(p + "manifest", manifest)
     leaves = {}
-    for i in moe:
-        for name in model.expert_tensors(i):  # weights and expert biases alike: cut by expert, proven by expert
-            leaves[name] = model.leaves[name]
-            data = model.raw(name).reshape(model.shape(name)[0], -1)[experts.start : experts.stop]
-            shape = (len(experts), *model.shape(name)[1:])
-            qtype = model.qtype(name)
-            w.add_tensor(name, np.ascontiguousarray(data).reshape(gguf.quant_shape_to_byte_shape(shape, qtype)), raw_shape=gguf.quant_shape_to_byte_shape(shape, qtype), raw_dtype=qtype)
+    for t, rows in tensors:
+        leaves[t.name] = t.leaves
+        byte_shape = gguf.quant_shape_to_byte_shape((len(experts), *t.shape[1:]), t.qtype)
+        w.add_tensor(t.name, np.ascontiguousarray(rows).reshape(byte_shape), raw_shape=byte_shape, raw_dtype=t.qtype)
     w.add_string(p + "leaves", json.dumps(leaves))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -11,10 +11,10 @@ signed bytes are exactly the transmitted bytes and any changed byte fails verifi
 
 Layout of a value (all integers big-endian)::
 
-    magic "MSR2" | peer id (u8 len + bytes) | model digest (32 bytes) | layer u16
+    magic "MSR3" | peer id (u8 len + bytes) | model digest (32 bytes) | layer u16
     | n ranges u8, n x (start u16, stop u16) | quic addr (u8 len + ASCII, empty = none)
     | relay url (u16 len + ASCII) | relay peer id (u8 len + bytes; both empty = no relay)
-    | kernel identity (u8 len + ASCII, empty = not said) | capacity u32 | price u64 | issued_at u64 | expires_at u64 | seq u64 | Ed25519 signature (64)
+    | kernel identity (u8 len + ASCII, empty = not said) | flags u8 (bit 0: serves slices) | capacity u32 | price u64 | issued_at u64 | expires_at u64 | seq u64 | Ed25519 signature (64)
 
 The signature covers ``SIGNING_CONTEXT + everything before it``.
 
@@ -42,7 +42,7 @@ from p2p import frames
 from p2p.identity import Identity, IdentityError, PeerId
 
 NAMESPACE = "moeswarm"
-MAGIC = b"MSR2"  # v2: the kernel identity joined the record
+MAGIC = b"MSR3"  # v2: the kernel identity joined the record; v3: the flags byte (serves slices)
 SIGNING_CONTEXT = b"moeswarm/host-record/v1\n"
 HELPER_MAGIC = b"MSH1"
 HELPER_SIGNING_CONTEXT = b"moeswarm/helper-record/v1\n"
@@ -51,10 +51,11 @@ MAX_RANGES = 64
 MAX_QUIC_ADDR_BYTES = 255
 MAX_RELAY_URL_BYTES = 512
 MAX_KERNEL_BYTES = 255
-# The largest record the limits above allow is 1499 bytes; anything bigger is refused unread.
+# The largest record the limits above allow is 1500 bytes; anything bigger is refused unread.
 MAX_RECORD_BYTES = 1536
 MAX_LIFETIME = 24 * 3600  # libp2p stores values for 24 h; a longer promise could not be kept
 MAX_CLOCK_SKEW = 60  # seconds a record's issued_at may lie in the future of our clock
+FLAG_SERVES_SLICES = 0x01
 _U16, _U32, _U64 = 0xFFFF, 0xFFFF_FFFF, 0xFFFF_FFFF_FFFF_FFFF
 _TAIL = struct.Struct(">IQQQQ")  # capacity, price, issued_at, expires_at, seq
 _HELPER_TAIL = struct.Struct(">QQQ")  # issued_at, expires_at, seq
@@ -186,6 +187,7 @@ class HostedSlice:
     capacity: int = 0
     price: int = 0
     kernel: str = ""
+    serves_slices: bool = False  # answers SliceInfoRequest/PieceRequest for its experts (p2p.wire, slice distribution)
 
     def __post_init__(self) -> None:
         digest = self.model_digest
@@ -299,6 +301,7 @@ class HostRecord:
             relay_peer,
             bytes([len(h.kernel)]),
             h.kernel.encode("ascii"),
+            bytes([FLAG_SERVES_SLICES if h.serves_slices else 0]),
             _TAIL.pack(h.capacity, h.price, self.issued_at, self.expires_at, self.seq),
         ]
         return b"".join(parts)
@@ -440,10 +443,13 @@ def decode(value: bytes) -> tuple[HostRecord, bytes]:
         raise MalformedRecord("relay url and relay peer id must be both present or both absent")
     relay = RelayAddress(relay_url, r.peer_id(relay_peer_len, "relay peer id")) if relay_url else None
     kernel = r.text(r.u8("kernel identity length"), "kernel identity")
+    flags = r.u8("flags")
+    if flags & ~FLAG_SERVES_SLICES:
+        raise MalformedRecord(f"flags {flags:#04x} set bits this version does not define")
     capacity, price, issued_at, expires_at, seq = _TAIL.unpack(r.take(_TAIL.size, "fixed fields"))
     signature = r.take(SIGNATURE_BYTES, "signature")
     r.finish("signature")
-    hosted = HostedSlice(digest, layer, ranges, quic, relay, capacity, price, kernel)
+    hosted = HostedSlice(digest, layer, ranges, quic, relay, capacity, price, kernel, bool(flags & FLAG_SERVES_SLICES))
     return HostRecord(peer_id, hosted, issued_at, expires_at, seq), signature
 
 

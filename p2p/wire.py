@@ -79,12 +79,34 @@ already gives::
     32    ask_hash     the receiver's entry hash there as the sender holds it signed; in an answer: the sender's own
                        entry hash at the asker's ask_seq (all zero: not in its chain any more)
 
+    SLICE_INFO_REQUEST (9): what a slice of the worker's experts needs (slice distribution, experts.slice_fetch)
+    16           model_id        first 16 bytes of the model digest
+
+    SLICE_INFO (10): the worker's hosted part, the model's manifest and the leaves of its stacked expert tensors
+    2+2          layers          u16 start, u16 stop (half-open)
+    2+2          experts         u16 start, u16 stop (half-open)
+    4            manifest_len    u32
+    manifest_len manifest        UTF-8, the manifest lines joined by "\n" (they hash to the model digest)
+    rest         leaves          ASCII, one "NAME|" + concatenated 64-hex-character leaves line per tensor, "\n"-joined
+
+    PIECE_REQUEST (11): length bytes at offset of one expert's rows of a stacked expert tensor
+    16           model_id
+    2            expert          u16
+    4            offset          u32
+    4            length          u32; 1..MAX_PIECE
+    1            name_len        u8
+    name_len     name            ASCII tensor name
+
+    PIECE (12): the bytes asked for
+    4            offset          u32
+    rest         data            1..MAX_PIECE bytes
+
 A type this module does not know decodes to ``Unknown`` (flags and body kept), never an error: the receiver decides.
 Hello and HelloAck are framed as version 1 forever, so peers of any version can negotiate; every other message uses
 the negotiated version. In every version a DispatchRequest body starts with its dispatch id (``peek_dispatch_id``).
 
 Limits: MAX_MESSAGE 64 MiB (header included), MAX_TOKENS 4096, MAX_TOP_K 64, MAX_ERROR_TEXT 1024 bytes, MAX_RECEIPT
-4096 bytes, MAX_MODELS 64. They are checked before anything is sliced or allocated. Every
+4096 bytes, MAX_MODELS 64, MAX_PIECE 4 MiB. They are checked before anything is sliced or allocated. Every
 violation raises a ``ProtocolError`` subclass that names the field and carries the ``ErrorCode`` to answer it with
 (``error_reply_for``); ``peek_dispatch_id`` finds the id to put in that reply even in a request that did not decode.
 """
@@ -143,6 +165,10 @@ MAX_TOP_K = 64
 MAX_ERROR_TEXT = 1024  # UTF-8 bytes
 MAX_RECEIPT = 4096
 MAX_MODELS = 64
+MAX_PIECE = 4 << 20  # bytes of one expert a Piece carries; a larger expert is fetched in several ranges
+MAX_TENSOR_NAME = 255  # ASCII bytes
+LEAF_LEN = 64  # a per-expert sha256, hex
+_HEX = frozenset("0123456789abcdef")
 
 _HEADER = struct.Struct("<3sBBHI")
 
@@ -158,6 +184,10 @@ class MsgType(IntEnum):
     PING = 6
     PONG = 7
     LEDGER_HEAD = 8
+    SLICE_INFO_REQUEST = 9
+    SLICE_INFO = 10
+    PIECE_REQUEST = 11
+    PIECE = 12
 
 
 class Role(IntEnum):
@@ -485,6 +515,162 @@ class LedgerHead(_Message):
 
 
 @dataclass(frozen=True)
+class SliceInfoRequest(_Message):
+    """Asks a worker what a slice file of its experts needs: the model's manifest and the hosted tensors' leaves."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SLICE_INFO_REQUEST
+
+    model_id: bytes
+
+    def __post_init__(self) -> None:
+        set_frozen(self, "model_id", bytes_field("model_id", self.model_id, MODEL_ID_LEN, MODEL_ID_LEN))
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        return (self.model_id,)
+
+    def _body_len(self) -> int:
+        return MODEL_ID_LEN
+
+    @classmethod
+    def _decode(cls, r: Reader) -> Self:
+        return cls(r.take(MODEL_ID_LEN, "model_id"))
+
+
+@dataclass(frozen=True)
+class SliceInfo(_Message):
+    """What a worker serves of a model: its layers and experts (half-open), the model's manifest (one line per
+    tensor, hashing to the model digest) and, for each stacked expert tensor it holds, every expert's leaf hash.
+
+    Nothing here is trusted by the fetcher: the manifest must hash to the digest it asked for and each tensor's
+    leaves to the manifest's line (:mod:`experts.slice_fetch`).
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.SLICE_INFO
+
+    layers: tuple[int, int]
+    experts: tuple[int, int]
+    manifest: tuple[str, ...]
+    leaves: tuple[tuple[str, tuple[str, ...]], ...]  # (tensor name, per-expert sha256 hex)
+
+    def __post_init__(self) -> None:
+        for field_name in ("layers", "experts"):
+            start, stop = getattr(self, field_name)
+            set_frozen(self, field_name, (int_field(field_name, start, 0, 0xFFFF), int_field(field_name, stop, 0, 0xFFFF)))
+            if not start < stop:
+                raise InvalidField(field_name, f"range {start}-{stop} is empty")
+        lines = tuple(self.manifest)
+        count_field("manifest", len(lines), 1, 1 << 20)
+        for line in lines:
+            if not isinstance(line, str) or "\n" in line:
+                raise InvalidField("manifest", "a manifest line is a str without newlines")
+        set_frozen(self, "manifest", lines)
+        leaves = tuple((self._name(name), tuple(hashes)) for name, hashes in self.leaves)
+        for name, hashes in leaves:
+            count_field("leaves", len(hashes), 1, 0xFFFF)
+            if any(not isinstance(h, str) or len(h) != LEAF_LEN or not set(h) <= _HEX for h in hashes):
+                raise InvalidField("leaves", f"the leaves of {name} are not {LEAF_LEN}-character lowercase hex")
+        set_frozen(self, "leaves", leaves)
+        _check_total(self)
+
+    @staticmethod
+    def _name(name: object) -> str:
+        if not isinstance(name, str) or not name.isascii() or not name.isprintable() or "|" in name or not 0 < len(name) <= MAX_TENSOR_NAME:
+            raise InvalidField("leaves", f"tensor name {name!r} is not 1-{MAX_TENSOR_NAME} printable ASCII characters without '|'")
+        return name
+
+    def _texts(self) -> tuple[bytes, bytes]:
+        leaves = "\n".join(f"{name}|{''.join(hashes)}" for name, hashes in self.leaves)
+        return "\n".join(self.manifest).encode(), leaves.encode()
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        manifest, leaves = self._texts()
+        return struct.pack("<HHHHI", *self.layers, *self.experts, len(manifest)), manifest, leaves
+
+    def _body_len(self) -> int:
+        manifest, leaves = self._texts()
+        return 12 + len(manifest) + len(leaves)
+
+    @classmethod
+    def _decode(cls, r: Reader) -> Self:
+        layers = (r.u16("layers"), r.u16("layers"))
+        experts = (r.u16("experts"), r.u16("experts"))
+        try:
+            manifest = sized(r, 4, 1, MAX_MESSAGE, "manifest").decode().split("\n")
+            text = rest(r, 0, "leaves").decode()
+        except UnicodeDecodeError:
+            raise InvalidField("manifest", "is not valid UTF-8") from None
+        leaves = []
+        for line in text.split("\n") if text else ():
+            name, sep, hashes = line.partition("|")
+            if not sep or len(hashes) % LEAF_LEN:
+                raise InvalidField("leaves", f"line {line[:40]!r}... is not NAME|HASHES")
+            leaves.append((name, tuple(hashes[i : i + LEAF_LEN] for i in range(0, len(hashes), LEAF_LEN))))
+        return cls(layers, experts, tuple(manifest), tuple(leaves))
+
+
+@dataclass(frozen=True)
+class PieceRequest(_Message):
+    """Asks for ``length`` bytes at ``offset`` of one expert's rows of the stacked tensor ``name``: the original
+    quantized bytes, exactly as a slice file holds them."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PIECE_REQUEST
+
+    model_id: bytes
+    name: str
+    expert: int
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        set_frozen(self, "model_id", bytes_field("model_id", self.model_id, MODEL_ID_LEN, MODEL_ID_LEN))
+        SliceInfo._name(self.name)
+        int_field("expert", self.expert, 0, 0xFFFF)
+        int_field("offset", self.offset, 0, 0xFFFFFFFF)
+        count_field("length", self.length, 1, MAX_PIECE)
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        name = self.name.encode()
+        return self.model_id, struct.pack("<HIIB", self.expert, self.offset, self.length, len(name)), name
+
+    def _body_len(self) -> int:
+        return MODEL_ID_LEN + 11 + len(self.name)
+
+    @classmethod
+    def _decode(cls, r: Reader) -> Self:
+        model_id = r.take(MODEL_ID_LEN, "model_id")
+        expert, offset, length = r.u16("expert"), r.u32("offset"), r.u32("length")
+        try:
+            name = sized(r, 1, 1, MAX_TENSOR_NAME, "name").decode("ascii")
+        except UnicodeDecodeError:
+            raise InvalidField("name", "is not ASCII") from None
+        return cls(model_id, name, expert, offset, length)
+
+
+@dataclass(frozen=True)
+class Piece(_Message):
+    """The bytes a PieceRequest asked for (fewer only at the end of the expert's rows)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PIECE
+
+    offset: int
+    data: bytes  # last on the wire: the rest of the body
+
+    def __post_init__(self) -> None:
+        int_field("offset", self.offset, 0, 0xFFFFFFFF)
+        set_frozen(self, "data", bytes_field("data", self.data, 1, MAX_PIECE))
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        return struct.pack("<I", self.offset), self.data
+
+    def _body_len(self) -> int:
+        return 4 + len(self.data)
+
+    @classmethod
+    def _decode(cls, r: Reader) -> Self:
+        return cls(r.u32("offset"), rest(r, 1, "data"))
+
+
+@dataclass(frozen=True)
 class Unknown(_Message):
     """A message of a type this side does not know, kept whole so the caller can ignore, log or refuse it."""
 
@@ -510,10 +696,11 @@ class Unknown(_Message):
         return len(self.body)
 
 
-Message = Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead | Unknown
+Message = Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead | SliceInfoRequest | SliceInfo | PieceRequest | Piece | Unknown
 
-_TYPES: dict[int, type[Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead]] = {
-    cls.TYPE: cls for cls in (Hello, HelloAck, DispatchRequest, DispatchReply, ErrorReply, Ping, Pong, LedgerHead)
+_KNOWN = (Hello, HelloAck, DispatchRequest, DispatchReply, ErrorReply, Ping, Pong, LedgerHead, SliceInfoRequest, SliceInfo, PieceRequest, Piece)
+_TYPES: dict[int, type[Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead | SliceInfoRequest | SliceInfo | PieceRequest | Piece]] = {
+    cls.TYPE: cls for cls in _KNOWN
 }
 
 

@@ -84,6 +84,22 @@ def bench_engine(as_json: bool, n_layer: int, n_tokens: int, n_prefill: int, rou
     publish(result, command, write_md=write_md, as_json=as_json, lines=lines)
 
 
+@bench_group.command("fetch")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--rate", default="1G", show_default=True, help="--slice-rate and --slice-rate-per-peer of the holders (the default lifts the workers' pacing: the transport is measured).")
+@click.option("--probes", default=200, show_default=True, type=click.IntRange(1), help="Idle dispatches timed before the fetch (as many as fit are timed during it).")
+@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
+def bench_fetch(as_json: bool, rate: str, probes: int, write_md: str | None) -> None:
+    """Slice fetch MB/s from 1 vs 3 holders (loopback, real processes) and a holder's dispatch latency meanwhile."""
+    from node.bench import fetch
+
+    result = fetch.run(rate, probes)
+    lb, lat = result["loopback"], result["dispatch_latency_of_a_holder"]
+    lines = [f"{k}: {v['mb']} MB in {v['seconds']} s = {v['mb_s']} MB/s" for k, v in lb.items()]
+    lines += [f"dispatch latency {k}: {v}" for k, v in lat.items()]
+    publish(result, f"moeswarm bench fetch --json --rate {rate}", write_md=write_md, as_json=as_json, lines=lines)
+
+
 @bench_group.command("dispatch")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--tokens", "n_tokens", default=16, show_default=True, help="Decode steps timed per path.")

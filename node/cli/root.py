@@ -76,6 +76,7 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
         "bench": "node.cli.bench:bench_group",
         "bootstrap": "node.cli.swarm:bootstrap_cmd",
         "demo": "node.cli.demo:demo_cmd",
+        "fetch": "node.cli.fetch:fetch_cmd",
         "inspect": "node.cli.model:inspect_cmd",
         "join": "node.cli.join:join_cmd",
         "ledger": "node.cli.ledger:ledger_group",

@@ -27,6 +27,7 @@ from node.runtime import load_identity, parse_hostport
 from node.status.server import model_shape
 from node.verdicts import default_wire
 from node.worker.node import WorkerNode, WorkerOptions, run_worker
+from node.worker.slice_server import SliceLimits
 from p2p.budget import ServeLimits
 from p2p.dht import BOOTSTRAP_WAIT, check_bootstrap
 from p2p.records import MalformedRecord, check_quic_addr, check_relay_url
@@ -89,6 +90,9 @@ def serving_options(f):
         click.option("--request-deadline", default=30.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds from a request's first byte to its end; a slower request is reset and freed."),
         click.option("--max-in-flight", default=256, show_default=True, type=click.IntRange(min=1), help="Dispatches computed or queued at once, all peers; more get an OVERLOADED error reply."),
         click.option("--max-in-flight-per-peer", default=32, show_default=True, type=click.IntRange(min=1), help="Dispatches computed or queued at once for one peer; more get an OVERLOADED error reply."),
+        click.option("--no-serve-slices", is_flag=True, help="Do not serve the hosted experts' bytes to peers fetching a slice (`moeswarm fetch`); by default a worker serves them and says so in its records."),
+        click.option("--slice-rate", default="64M", show_default=True, help="Bytes per second all slice fetchers together may take from this worker (dispatches go first: this bounds what a fetch takes of the link)."),
+        click.option("--slice-rate-per-peer", default="32M", show_default=True, help="Bytes per second one fetcher may take."),
         relay_opts,
         http_opt,
         data_dir_opt,
@@ -123,7 +127,7 @@ def worker_cmd(model_path, slice_path, model_digest, layers, experts_, listen, a
 
 def start_worker(model: GGUFModel, *, layers: range | None, experts: ExpertRange | None, listen: tuple[str, int], advertise: str | None, dht_listen: str, bootstrap: Sequence[str], memory_budget: int | None, model_digest: str | None = None, on_ready: Callable[[WorkerNode], None] | None = None, bootstrap_wait: float = BOOTSTRAP_WAIT,
                  kernel_name, threads, price, max_datagram, capacity, no_ledger, relay, recheck_s, drain_timeout, dispatch_delay, relay_only, summary_s, request_buffer, request_buffer_per_peer, max_streams_per_peer, request_deadline, max_in_flight, max_in_flight_per_peer,
-                 relay_ca, relay_keepalive, http_addr, data_dir, ready_file) -> None:
+                 no_serve_slices, slice_rate, slice_rate_per_peer, relay_ca, relay_keepalive, http_addr, data_dir, ready_file) -> None:
     """Run a worker until it is stopped: what `worker` and `join` both end in, given the parts to host."""
     if relay_only and not relay:
         raise click.UsageError("--relay-only needs --relay URL")
@@ -153,6 +157,8 @@ def start_worker(model: GGUFModel, *, layers: range | None, experts: ExpertRange
         max_in_flight=max_in_flight,
         max_in_flight_per_peer=max_in_flight_per_peer,
         summary_s=summary_s,
+        serve_slices=not no_serve_slices,
+        slice_limits=SliceLimits(rate=parse_size(slice_rate), rate_per_peer=parse_size(slice_rate_per_peer)),
     )
     home = node_dir(data_dir, "worker")
     ident = load_identity(home)

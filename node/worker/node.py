@@ -32,6 +32,7 @@ from node.status.coverage import Phase
 from node.status.server import NodeStatus, model_shape, serve_status
 from node.worker.lifecycle import Lifecycle, State
 from node.worker.service import MAX_IN_FLIGHT, MAX_IN_FLIGHT_PER_PEER, Worker
+from node.worker.slice_server import SliceLimits, SliceServer
 from p2p import wire
 from p2p.budget import ServeLimits
 from p2p.dht import BOOTSTRAP_WAIT, LibP2PDiscovery, check_bootstrap, parse_listen
@@ -75,6 +76,8 @@ class WorkerOptions:
     max_in_flight: int = MAX_IN_FLIGHT  # dispatches accepted and not yet answered, all peers; then OVERLOADED
     max_in_flight_per_peer: int = MAX_IN_FLIGHT_PER_PEER
     summary_s: float = 60.0  # seconds between "worker.summary" lines (none for a quiet interval)
+    serve_slices: bool = True  # serve the hosted experts' bytes to peers fetching a slice (and say so in the records)
+    slice_limits: SliceLimits = SliceLimits()
 
 
 T = TypeVar("T")
@@ -134,7 +137,8 @@ class WorkerNode:
         self.ledger = LedgerSink(self.ledger_path, "worker", identity) if self.ledger_path else None
         if self.ledger:
             stack.callback(self.ledger.close)
-        self.worker = worker = Worker(identity, store, price=opts.price, ledger=self.ledger, delay=opts.dispatch_delay, max_in_flight=opts.max_in_flight, max_in_flight_per_peer=opts.max_in_flight_per_peer)
+        slices = SliceServer(model, store.layers, range(store.experts.start, store.experts.stop), opts.slice_limits) if opts.serve_slices else None
+        self.worker = worker = Worker(identity, store, price=opts.price, ledger=self.ledger, delay=opts.dispatch_delay, max_in_flight=opts.max_in_flight, max_in_flight_per_peer=opts.max_in_flight_per_peer, slices=slices)
         stack.callback(worker.close)
         # A worker behind a relay may be NAT-bound: it joins the DHT as a client (nobody may be able to dial it, so
         # it must not host records), also when its check finds it public.
@@ -210,7 +214,7 @@ class WorkerNode:
         return [layer for layer in self.store.layers if self.model.cfg.is_moe(layer)]
 
     def slices(self, price: int) -> list[HostedSlice]:
-        return [HostedSlice(self.model.digest, layer, self.ranges, quic_addr=self.addr, relay=self.relay_addr, capacity=self.opts.capacity, price=price, kernel=str(self.store.identity)) for layer in self.moe_layers]
+        return [HostedSlice(self.model.digest, layer, self.ranges, quic_addr=self.addr, relay=self.relay_addr, capacity=self.opts.capacity, price=price, kernel=str(self.store.identity), serves_slices=self.opts.serve_slices) for layer in self.moe_layers]
 
     async def replicas(self) -> int:
         """Live hosts (this one included) of our slice's scarcest layer."""

@@ -27,6 +27,7 @@ from node.ledger.entries import Role
 from node.ledger.receipts import STAMP, build_receipt, sign, work_units
 from node.ledger.sink import LedgerSink
 from node.ledger.witness import UNKNOWN, SignedHead
+from node.worker.slice_server import SliceServer
 from p2p import wire
 from p2p.identity import Identity, PeerId
 from p2p.pathkind import Path
@@ -86,8 +87,9 @@ class WorkerStats:
 class Worker:
     """Dispatch handler over the hosted experts (an :class:`experts.moe.ExpertSource`); plug ``handle`` into a QUIC endpoint."""
 
-    def __init__(self, identity: Identity, store: ExpertSource, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK, delay: float = 0.0, max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_peer: int = MAX_IN_FLIGHT_PER_PEER) -> None:
+    def __init__(self, identity: Identity, store: ExpertSource, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK, delay: float = 0.0, max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_peer: int = MAX_IN_FLIGHT_PER_PEER, slices: SliceServer | None = None) -> None:
         self.identity = identity
+        self.slices = slices  # None: --no-serve-slices
         self.delay = delay  # test only: seconds every dispatch waits before it computes (to hold dispatches in flight)
         self.inline_work = inline_work
         self.store = store
@@ -128,8 +130,10 @@ class Worker:
                 return wire.Pong.answering(msg).encode()
             if isinstance(msg, wire.LedgerHead):
                 return (await self._ledger_head(peer, msg)).encode()
+            if isinstance(msg, (wire.SliceInfoRequest, wire.PieceRequest)):
+                return (await self._slice(peer, msg)).encode()
             if not isinstance(msg, wire.DispatchRequest):
-                raise wire.InvalidField("type", f"a worker answers DispatchRequest, Ping and LedgerHead, not {type(msg).__name__}")
+                raise wire.InvalidField("type", f"a worker answers DispatchRequest, Ping, LedgerHead, SliceInfoRequest and PieceRequest, not {type(msg).__name__}")
             if self.refusing:
                 raise Draining("type", "this worker is shutting down and withdrew its records; ask another replica")
             self._admit(peer)
@@ -151,6 +155,13 @@ class Worker:
                 exc = wire.BadCodec("hidden", str(exc))
             return wire.error_reply_for(exc, dispatch_id).encode()
         return reply
+
+    async def _slice(self, peer: PeerId, msg: wire.SliceInfoRequest | wire.PieceRequest) -> wire.SliceInfo | wire.Piece:
+        if self.slices is None:
+            raise NotHosted("type", "this worker does not serve slices (--no-serve-slices)")
+        if self.refusing:
+            raise Draining("type", "this worker is shutting down; fetch from another holder")
+        return self.slices.info(msg) if isinstance(msg, wire.SliceInfoRequest) else await self.slices.piece(peer, msg)
 
     async def _ledger_head(self, peer: PeerId, msg: wire.LedgerHead) -> wire.LedgerHead:
         """Keep the backbone's signed head; answer with ours and our entry hash at the seq it last witnessed."""

@@ -63,7 +63,7 @@ def test_helper_record_keys_never_collide_with_host_records():
         validate(host.key, value, NOW)
     with pytest.raises(KeyMismatch):
         validate(helper_key(ALICE.peer_id), host_value, NOW)
-    with pytest.raises(MalformedRecord, match="MSR2"):
+    with pytest.raises(MalformedRecord, match="MSR3"):
         decode_and_validate(helper_key(ALICE.peer_id), value, NOW)
     assert validate(host.key, host_value, NOW) == host
 

@@ -12,12 +12,14 @@ from hypothesis import strategies as st
 from p2p.discovery import Announcer, CachedDiscovery, InMemoryBoard, InMemoryDiscovery, live_hosts
 from p2p.identity import Identity
 from p2p.records import (
+    _TAIL,
     MAX_CLOCK_SKEW,
     MAX_KERNEL_BYTES,
     MAX_QUIC_ADDR_BYTES,
     MAX_RANGES,
     MAX_RECORD_BYTES,
     MAX_RELAY_URL_BYTES,
+    SIGNING_CONTEXT,
     BadSignature,
     HostedSlice,
     HostRecord,
@@ -30,6 +32,7 @@ from p2p.records import (
     RecordNotYetValid,
     RecordTooLarge,
     RelayAddress,
+    decode,
     decode_and_validate,
     issue,
     select_best,
@@ -63,6 +66,19 @@ def test_signed_record_round_trips():
     record, value = signed()
     assert decode_and_validate(record.key, value, NOW + 1) == record
     assert record.hosted.relay == RELAY and record.hosted.experts() == frozenset(range(8))
+
+
+def test_the_serves_slices_flag_round_trips_and_unknown_flags_are_malformed():
+    """A worker that serves slices says so in its signed record; a flag bit this version does not define is refused."""
+    record, value = signed(slice_=hosted(serves_slices=True))
+    assert decode_and_validate(record.key, value, NOW + 1).hosted.serves_slices
+    plain, plain_value = signed()
+    assert not decode_and_validate(plain.key, plain_value, NOW + 1).hosted.serves_slices
+    flags_at = len(plain.body()) - _TAIL.size - 1
+    body = bytearray(plain.body())
+    body[flags_at] = 0x02
+    with pytest.raises(MalformedRecord, match="flags 0x02"):
+        decode(bytes(body) + ALICE.sign(SIGNING_CONTEXT + bytes(body)))
 
 
 def test_every_single_byte_change_is_rejected():
@@ -143,7 +159,7 @@ def test_size_limit_is_checked_before_parsing():
         kernel="k" * MAX_KERNEL_BYTES,
     )
     record, value = issue(ALICE, biggest, now=NOW, ttl=600, seq=2**64 - 1)
-    assert len(value) == 1499 <= MAX_RECORD_BYTES
+    assert len(value) == 1500 <= MAX_RECORD_BYTES
     assert decode_and_validate(record.key, value, NOW) == record
 
 
@@ -154,7 +170,7 @@ def test_truncated_and_padded_values_are_malformed():
         decode_and_validate(record.key, value[:-1], NOW)
     with pytest.raises(MalformedRecord, match="trailing"):
         decode_and_validate(record.key, value + b"\0", NOW)
-    with pytest.raises(MalformedRecord, match="MSR2"):
+    with pytest.raises(MalformedRecord, match="MSR3"):
         decode_and_validate(record.key, b"XXXX" + value[4:], NOW)
 
 

@@ -31,10 +31,14 @@ from p2p.wire import (
     InvalidField,
     LedgerHead,
     MsgType,
+    Piece,
+    PieceRequest,
     Ping,
     Pong,
     ProtocolError,
     Role,
+    SliceInfo,
+    SliceInfoRequest,
     TooLarge,
     Truncated,
     Unknown,
@@ -121,6 +125,19 @@ SNAPSHOTS = [
         "4d5357 01 08 0000 91000000" "02" "0200000000000000" + "11" * 32 + "22" * 64 + "0100000000000000" + "33" * 32,
         id="ledger_head",
     ),
+    pytest.param(SliceInfoRequest(b"\xdd" * 16), "4d5357 01 09 0000 10000000" + "dd" * 16, id="slice_info_request"),
+    pytest.param(
+        SliceInfo((1, 3), (0, 2), ("config|{}", "t|F32|2|ab"), (("n", ("a" * 64, "b" * 64)),)),
+        "4d5357 01 0a 0000 a2000000" "0100 0300" "0000 0200" "14000000"
+        + b"config|{}\nt|F32|2|ab".hex() + b"n|".hex() + b"a".hex() * 64 + b"b".hex() * 64,
+        id="slice_info",
+    ),
+    pytest.param(
+        PieceRequest(b"\xdd" * 16, "n", expert=3, offset=16, length=256),
+        "4d5357 01 0b 0000 1c000000" + "dd" * 16 + "0300" "10000000" "00010000" "01 6e",
+        id="piece_request",
+    ),
+    pytest.param(Piece(16, b"\xab\xcd"), "4d5357 01 0c 0000 06000000" "10000000" "abcd", id="piece"),
     pytest.param(Unknown(0xC8, b"\xff", flags=3), "4d5357 01 c8 0300 01000000 ff", id="unknown"),
 ]
 
@@ -474,7 +491,7 @@ def test_constructor_refuses_inconsistent_requests(change, field):
     assert refused.value.field == field
 
 
-@pytest.mark.parametrize("msg_type", [0, 9, 0x7F, 0xFF])
+@pytest.mark.parametrize("msg_type", [0, 13, 0x7F, 0xFF])
 def test_unknown_type_decodes_to_unknown(msg_type):
     """A type this side does not know decodes to Unknown with its flags and body intact."""
     data = frame(msg_type, b"future", flags=0x8001)
@@ -603,3 +620,33 @@ def test_pong_echoes_ping():
     pong = decode(Pong.answering(ping).encode())
     assert isinstance(pong, Pong)
     assert (pong.nonce, pong.sent_at_us) == (42, 1_000_000)
+
+
+# --- slice distribution ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: SliceInfo((3, 3), (0, 1), ("config|{}",), ()), "layers"),
+        (lambda: SliceInfo((0, 1), (0, 1), ("a\nb",), ()), "manifest"),
+        (lambda: SliceInfo((0, 1), (0, 1), ("config|{}",), (("n", ("xyz",)),)), "leaves"),
+        (lambda: SliceInfo((0, 1), (0, 1), ("config|{}",), (("a|b", ("a" * 64,)),)), "leaves"),
+        (lambda: PieceRequest(bytes(16), "n", 0, 0, wire.MAX_PIECE + 1), "length"),
+        (lambda: PieceRequest(bytes(16), "", 0, 0, 1), "leaves"),
+        (lambda: Piece(0, b""), "data"),
+    ],
+)
+def test_slice_messages_refuse_bad_values(build, field):
+    """A slice message that would not decode to itself cannot be built: each bad value names its field."""
+    with pytest.raises(ProtocolError) as info:
+        build()
+    assert info.value.field == field
+
+
+def test_slice_info_refuses_a_leaves_line_without_a_name():
+    """Leaves text a peer sends that is not NAME|HASHES is malformed, not a crash."""
+    good = SliceInfo((0, 1), (0, 1), ("config|{}",), (("n", ("a" * 64,)),)).encode()
+    bad = good[: -(64 + 2)] + b"n" + b"a" * 65
+    with pytest.raises(InvalidField, match="NAME|HASHES"):
+        decode(bad[:7] + struct.pack("<I", len(bad) - 11) + bad[11:])

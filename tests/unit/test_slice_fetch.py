@@ -1,0 +1,89 @@
+"""The sans-IO slice fetch: the digest as the only trust root, the plan's holder choice and drops, and a written
+slice identical to `moeswarm slice`'s."""
+
+from __future__ import annotations
+
+import pytest
+
+from experts.embedded import EMBEDDED_MODEL
+from experts.errors import SliceError
+from experts.gguf_model import ExpertRange, GGUFModel
+from experts.slice_fetch import FetchPlan, Holder, OutsideModel, SliceLayout, Staging
+from experts.slices import write_slice
+
+MODEL = GGUFModel(EMBEDDED_MODEL)
+LAYERS, EXPERTS = range(1, 3), ExpertRange(2, 6)
+
+
+def layout() -> SliceLayout:
+    lay = SliceLayout.from_manifest(MODEL.digest, MODEL.manifest, LAYERS, EXPERTS)
+    for name in lay.names:
+        assert lay.accept_leaves(name, MODEL.leaves[name])
+    return lay
+
+
+def test_a_manifest_of_another_model_is_refused():
+    forged = [MODEL.manifest[0].replace('"n_expert_used": 4', '"n_expert_used": 3'), *MODEL.manifest[1:]]
+    assert forged != MODEL.manifest
+    with pytest.raises(SliceError, match="does not hash to model"):
+        SliceLayout.from_manifest(MODEL.digest, forged, LAYERS, EXPERTS)
+
+
+def test_a_range_outside_the_model_is_the_requests_fault():
+    with pytest.raises(OutsideModel, match="out of bounds"):
+        SliceLayout.from_manifest(MODEL.digest, MODEL.manifest, range(0, 9), EXPERTS)
+
+
+def test_forged_leaves_are_refused():
+    lay = SliceLayout.from_manifest(MODEL.digest, MODEL.manifest, LAYERS, EXPERTS)
+    name = lay.names[0]
+    forged = ["0" * 64, *MODEL.leaves[name][1:]]
+    assert not lay.accept_leaves(name, forged)
+    assert not lay.accept_leaves("blk.0.ffn_up_exps.weight", MODEL.leaves["blk.0.ffn_up_exps.weight"])  # not in the slice
+    assert name in lay.missing_leaves
+    with pytest.raises(SliceError, match="no holder gave valid leaves"):
+        lay.items()
+
+
+def test_a_bad_piece_drops_its_holder_and_goes_to_another():
+    items = layout().items()
+    plan = FetchPlan(items)
+    plan.add_holder(Holder("liar", range(0, 4), range(0, 32)))
+    plan.add_holder(Holder("honest", range(1, 2), range(0, 32)))
+    first = plan.take("liar")
+    assert first is not None and plan.take("honest") != first  # never the same expert to two holders at once
+    assert not plan.received("liar", first, b"\0" * first.nbytes)
+    assert "liar" in plan.dropped and plan.take("liar") is None
+    assert plan.stuck() is not None  # layer 2 had only the liar
+    again = plan.take("honest")
+    assert again is not None
+
+
+def test_strikes_drop_a_holder_that_keeps_failing():
+    items = layout().items()
+    plan = FetchPlan(items)
+    plan.add_holder(Holder("slow", range(0, 4), range(0, 32)))
+    for _ in range(3):
+        item = plan.take("slow")
+        assert item is not None
+        plan.failed("slow", item, "timeout")
+    assert "slow" in plan.dropped and not plan.could_serve("slow")
+
+
+def test_staged_and_written_slice_equals_the_cut(tmp_path):
+    """Every expert verified and staged, then written: byte for byte `moeswarm slice`; a restart re-uses the stage."""
+    lay = layout()
+    items = lay.items()
+    staging = Staging(tmp_path / "s.gguf.parts")
+    plan = FetchPlan(items)
+    plan.add_holder(Holder("h", range(0, 4), range(0, 32)))
+    while (item := plan.take("h")) is not None:
+        data = MODEL.expert_rows(item.name, item.expert).tobytes()
+        assert plan.received("h", item, data)
+        staging.write(item, data)
+    assert plan.finished and plan.fetched_bytes == plan.total_bytes
+    out = lay.write(tmp_path / "s.gguf", staging)
+    cut = write_slice(MODEL, LAYERS, EXPERTS, tmp_path / "cut.gguf")
+    assert out.read_bytes() == cut.read_bytes()
+    staging.path(items[0].leaf).write_bytes(b"torn")
+    assert staging.verified(items) == set(items[1:])  # the torn file is not trusted, the rest is kept

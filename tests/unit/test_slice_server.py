@@ -1,0 +1,113 @@
+"""A worker's slice serving, without sockets: what it answers, what it refuses, how it paces and caps fetchers."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+
+from experts.embedded import EMBEDDED_MODEL
+from experts.gguf_model import ExpertRange, GGUFModel, model_digest
+from experts.slices import ExpertStore, write_slice
+from node.worker.service import Worker
+from node.worker.slice_server import SliceBusy, SliceLimits, SliceRefused, SliceServer
+from p2p import wire
+from p2p.identity import Identity
+
+MODEL = GGUFModel(EMBEDDED_MODEL)
+MID = wire.model_id_of(bytes.fromhex(MODEL.digest))
+UP = "blk.1.ffn_up_exps.weight"
+PEER = Identity.generate().peer_id
+
+
+def on_loop(test):
+    """Run an async test body on a fresh event loop (the suite's way: asyncio.run, no plugin)."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+
+    return run
+
+
+def server(**limits) -> SliceServer:
+    return SliceServer(MODEL, range(1, 3), range(4, 8), SliceLimits(**limits))
+
+
+def test_info_names_the_hosted_part_and_proves_nothing_itself():
+    """The info carries the model's manifest (it hashes to the digest) and the leaves of the hosted tensors only."""
+    info = server().info(wire.SliceInfoRequest(MID))
+    assert (info.layers, info.experts) == ((1, 3), (4, 8))
+    assert model_digest(list(info.manifest)) == MODEL.digest
+    assert {name for name, _ in info.leaves} == {n for i in (1, 2) for n in MODEL.expert_tensors(i)}
+    assert dict(info.leaves)[UP] == tuple(MODEL.leaves[UP])
+
+
+def test_a_slice_file_serves_its_model_manifest(tmp_path):
+    """A worker started from a slice answers with the full model's manifest, not the slice file's own tensors."""
+    sl = GGUFModel(write_slice(MODEL, range(1, 3), ExpertRange(4, 8), tmp_path / "s.gguf"))
+    info = SliceServer(sl, range(1, 3), range(4, 8)).info(wire.SliceInfoRequest(MID))
+    assert model_digest(list(info.manifest)) == MODEL.digest
+    assert dict(info.leaves)[UP] == tuple(MODEL.leaves[UP])
+
+
+@on_loop
+async def test_pieces_are_the_original_bytes():
+    """Byte ranges of one expert, the last one cut at the expert's end."""
+    s = server()
+    rows = MODEL.expert_rows(UP, 5).tobytes()
+    first = await s.piece(PEER, wire.PieceRequest(MID, UP, 5, 0, 1000))
+    last = await s.piece(PEER, wire.PieceRequest(MID, UP, 5, 1000, wire.MAX_PIECE))
+    assert first.data + last.data == rows and last.offset == 1000
+    assert s.bytes_served == len(rows)
+
+
+@pytest.mark.parametrize(
+    ("req", "match"),
+    [
+        (wire.PieceRequest(MID, "blk.0.ffn_up_exps.weight", 5, 0, 10), "not a stacked expert tensor hosted"),
+        (wire.PieceRequest(MID, "token_embd.weight", 5, 0, 10), "not a stacked expert tensor hosted"),
+        (wire.PieceRequest(MID, UP, 8, 0, 10), "expert 8 is not hosted"),
+        (wire.PieceRequest(bytes(16), UP, 5, 0, 10), "serves slices of model"),
+        (wire.PieceRequest(MID, UP, 5, 1 << 30, 10), "past the expert"),
+    ],
+)
+@on_loop
+async def test_requests_outside_the_hosted_part_are_refused(req, match):
+    with pytest.raises(wire.ProtocolError, match=match):
+        await server().piece(PEER, req)
+
+
+@on_loop
+async def test_the_rate_paces_and_the_in_flight_caps_refuse():
+    """Past the per-peer rate a request waits for its tokens; past the per-peer in-flight cap it is refused."""
+    s = server(rate_per_peer=40_000.0, max_in_flight_per_peer=2)  # a 32 KiB expert at once, the next ~0.6 s later
+    size = MODEL.expert_rows(UP, 4).nbytes
+    first = asyncio.ensure_future(s.piece(PEER, wire.PieceRequest(MID, UP, 4, 0, size)))  # the burst: at once
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(s.piece(PEER, wire.PieceRequest(MID, UP, 5, 0, size)))  # waits for tokens
+    await asyncio.sleep(0)
+    with pytest.raises(SliceBusy, match="per-peer limit"):
+        await s.piece(PEER, wire.PieceRequest(MID, UP, 6, 0, size))
+    other = await s.piece(Identity.generate().peer_id, wire.PieceRequest(MID, UP, 6, 0, 10))  # its own budget
+    assert len(other.data) == 10 and not second.done()
+    assert len((await first).data) == size
+    second.cancel()
+
+
+@on_loop
+async def test_a_worker_without_slice_serving_answers_not_hosted():
+    """--no-serve-slices: the request gets an ErrorReply (NOT_HOSTED), never an exception; with it, the piece."""
+    off = Worker(Identity.generate(), ExpertStore(MODEL, cache=False))
+    on = Worker(Identity.generate(), ExpertStore(MODEL, cache=False), slices=server())
+    try:
+        reply = wire.decode(await off.handle(PEER, wire.SliceInfoRequest(MID).encode()))
+        assert isinstance(reply, wire.ErrorReply) and reply.code is wire.ErrorCode.NOT_HOSTED
+        piece = wire.decode(await on.handle(PEER, wire.PieceRequest(MID, UP, 4, 0, 16).encode()))
+        assert isinstance(piece, wire.Piece) and piece.data == MODEL.expert_rows(UP, 4).tobytes()[:16]
+        refused = wire.decode(await on.handle(PEER, wire.PieceRequest(MID, UP, 9, 0, 16).encode()))
+        assert isinstance(refused, wire.ErrorReply) and refused.code is SliceRefused.error_code
+    finally:
+        off.close()
+        on.close()
