@@ -24,7 +24,7 @@ from experts.errors import CodecError
 from experts.moe import ExpertSource
 from experts.rows import split_rows
 from node.ledger.entries import Role
-from node.ledger.receipts import STAMP, build_receipt, sign, work_units
+from node.ledger.receipts import STAMP, Receipt, ReceiptStamp, build_receipt, sign, work_units
 from node.ledger.sink import LedgerSink
 from node.ledger.witness import UNKNOWN, SignedHead
 from node.worker.slice_server import SliceServer
@@ -35,7 +35,9 @@ from p2p.pathkind import Path
 log = structlog.get_logger("node.worker.service")
 # Batches up to this much work (expert-token FLOPs, see receipts.work_units) are computed on the event loop: a
 # few tokens of a small model take ~0.1 ms there, while the round trip through the pool thread costs ~1 ms under
-# load. Larger batches go to the pool so the loop keeps serving other requests meanwhile.
+# load. Larger batches go to the pool so the loop keeps serving other requests meanwhile -- unless the batch is
+# all the worker has in flight (one backbone decoding): then the loop has nothing to serve meanwhile, and the hop
+# to the pool and back (two thread wake-ups) is pure latency on the reply's path.
 INLINE_WORK = 4_000_000
 MAX_IN_FLIGHT = 256  # dispatches accepted and not yet answered, all peers (docs/architecture.md, "Limits")
 MAX_IN_FLIGHT_PER_PEER = 32  # ... from one peer
@@ -87,11 +89,12 @@ class WorkerStats:
 class Worker:
     """Dispatch handler over the hosted experts (an :class:`experts.moe.ExpertSource`); plug ``handle`` into a QUIC endpoint."""
 
-    def __init__(self, identity: Identity, store: ExpertSource, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK, delay: float = 0.0, max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_peer: int = MAX_IN_FLIGHT_PER_PEER, slices: SliceServer | None = None) -> None:
+    def __init__(self, identity: Identity, store: ExpertSource, *, price: int = 0, path_of=None, ledger: LedgerSink | None = None, inline_work: int = INLINE_WORK, inline_alone: bool = True, delay: float = 0.0, max_in_flight: int = MAX_IN_FLIGHT, max_in_flight_per_peer: int = MAX_IN_FLIGHT_PER_PEER, slices: SliceServer | None = None) -> None:
         self.identity = identity
         self.slices = slices  # None: --no-serve-slices
         self.delay = delay  # test only: seconds every dispatch waits before it computes (to hold dispatches in flight)
         self.inline_work = inline_work
+        self.inline_alone = inline_alone  # compute a batch on the loop when it is all that is in flight
         self.store = store
         self.model_digest = store.model.digest
         self._model_id = wire.model_id_of(bytes.fromhex(self.model_digest))
@@ -229,14 +232,19 @@ class Worker:
         )
         stamp = sign(self.identity, receipt)
         reply = dataclasses.replace(unsigned, receipt=stamp.encode())
-        if self.ledger:
-            self.ledger.receipt(receipt, stamp)
         self.stats.dispatches += 1
         self.stats.tokens += req.n_tokens
         self.stats.credits += receipt.credits
         self.stats.by_peer[str(peer)] = self.stats.by_peer.get(str(peer), 0) + 1
-        log.debug("dispatch.served", compute_us=compute_us, **dataclasses.asdict(receipt))  # one event, the receipt's fields
+        # The reply is on the wire before the next loop iteration (the endpoint sends it in this task step), so the
+        # ledger hand-off -- whose writer thread then takes the GIL -- and the log event wait until after it.
+        asyncio.get_running_loop().call_soon(self._record, receipt, stamp, compute_us)
         return reply.encode()
+
+    def _record(self, receipt: Receipt, stamp: ReceiptStamp, compute_us: int) -> None:
+        if self.ledger:
+            self.ledger.receipt(receipt, stamp)
+        log.debug("dispatch.served", compute_us=compute_us, **dataclasses.asdict(receipt))  # one event, the receipt's fields
 
     async def _compute(self, layer: int, x, ids, w, held) -> np.ndarray:
         loop = asyncio.get_running_loop()
@@ -256,7 +264,8 @@ class Worker:
                 x = np.concatenate([j.x for j in jobs])
                 args = (layer, x, np.concatenate([j.ids for j in jobs]), np.concatenate([j.weights for j in jobs]), np.concatenate([j.held for j in jobs]))
                 try:
-                    if work_units(int(args[4].sum()), x.shape[1], self.store.model.cfg.n_ff_exp) <= self.inline_work:
+                    alone = self.inline_alone and len(jobs) == self.in_flight
+                    if alone or work_units(int(args[4].sum()), x.shape[1], self.store.model.cfg.n_ff_exp) <= self.inline_work:
                         sums, _ = self.store.partial_sum(*args)  # cheaper than the hop to the pool thread and back
                     else:
                         sums, _ = await loop.run_in_executor(self._pool, self.store.partial_sum, *args)

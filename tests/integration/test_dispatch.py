@@ -331,7 +331,7 @@ def test_concurrent_backbones_are_batched_into_one_compute_call(model_dir):
 
     async def main():
         ident = Identity.generate()
-        worker = Worker(ident, GatedStore(model), inline_work=0)  # compute on the pool thread, which the gate holds
+        worker = Worker(ident, GatedStore(model), inline_work=0, inline_alone=False)  # compute on the pool thread, which the gate holds
         wep = await Endpoint.bind(ident, "127.0.0.1", 0, handler=worker.handle)
         clients = [await Endpoint.bind(Identity.generate(), "127.0.0.1", 0, handler=None) for _ in range(2)]
         rng = np.random.default_rng(0)
