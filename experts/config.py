@@ -44,6 +44,7 @@ class ModelConfig:
     rope_theta_swa: float = field(default=0.0, metadata=_LATER)  # rope.freq_base_swa of SWA layers; 0: rope_theta
     yarn_factor: float = field(default=0.0, metadata=_LATER)  # rope.scaling.factor when rope.scaling.type is yarn; 0: no YaRN
     yarn_orig_ctx: int = field(default=0, metadata=_LATER)  # rope.scaling.original_context_length (YaRN's n_ctx_orig)
+    moe_step: int = field(default=0, metadata=_LATER)  # interleave_moe_layer_step: layer i has experts iff (i + 1) % step == 0; 0: every layer
 
     @property
     def spec(self) -> ArchSpec:
@@ -63,7 +64,21 @@ class ModelConfig:
 
     def is_moe(self, layer: int) -> bool:
         """Whether *layer* routes to experts (else it has a dense FFN and nothing to dispatch)."""
-        return layer >= self.n_dense_lead
+        return layer >= self.n_dense_lead and (self.moe_step == 0 or (layer + 1) % self.moe_step == 0)
+
+    def uses_rope(self, layer: int) -> bool:
+        """False on the arch's NoPE layers (llama4: every 4th), which rotate nothing and scale q by temperature instead."""
+        p = self.spec.nope_period
+        return p == 0 or (layer + 1) % p != 0
+
+    def first_key(self, layer: int, pos: int) -> int:
+        """The first position query *pos* attends to on *layer* (llama.cpp's ``is_masked_swa``): 0 on a full layer;
+        on an SWA layer the last ``n_swa`` positions, or with chunked attention the start of the query's chunk."""
+        if not self.is_swa(layer):
+            return 0
+        if self.spec.chunked_attn:
+            return pos // self.n_swa * self.n_swa
+        return max(0, pos + 1 - self.n_swa)
 
     def is_swa(self, layer: int) -> bool:
         """Whether *layer* attends only to the last ``n_swa`` positions (llama.cpp's ``hparams.is_swa``)."""
@@ -90,6 +105,7 @@ class ModelConfig:
             scale=self.expert_weights_scale,
             n_groups=self.n_expert_groups,
             n_group_used=self.n_group_used,
+            select_logits=spec.select_on_logits,
         )
 
     def canonical(self) -> dict:

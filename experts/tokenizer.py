@@ -109,6 +109,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "glm4": _GLM4,
     "minimax-m2": _GPT4O,
     "gpt-4o": _GPT4O,  # gpt-oss
+    "llama4": _GPT4O,  # Llama 4 Scout / Maverick (llama-vocab.cpp maps it to GPT-4o's regex)
 }
 SUPPORTED_MODELS = ("gpt2", "llama")
 
