@@ -13,7 +13,7 @@ from p2p.identity import Identity
 
 ARCHS = ("qwen2moe", "qwen3moe", "llama")
 # Archs of issue 12: checked against llama.cpp in test_reference and through a real swarm in test_swarm_archs.
-NEW_ARCHS = ("olmoe", "glm4moe", "minimax-m2", "gpt-oss")
+NEW_ARCHS = ("olmoe", "glm4moe", "minimax-m2", "gpt-oss", "llama4")
 Q = gguf.GGMLQuantizationType
 
 

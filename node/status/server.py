@@ -42,7 +42,7 @@ SEEN_WINDOW = 2000  # newest dispatch records the page's path/RTT per host come 
 def model_shape(model: Any) -> ModelShape:
     """The shape of a ``GGUFModel`` (full model or slice: the config keeps the whole model's layer count)."""
     cfg = model.cfg
-    return ModelShape(model.digest, cfg.n_layer, cfg.n_expert, cfg.n_dense_lead)
+    return ModelShape(model.digest, cfg.n_layer, cfg.n_expert, cfg.n_dense_lead, cfg.moe_step)
 
 
 @dataclass

@@ -39,8 +39,10 @@ def test_new_archs_config_lines_name_only_what_they_use(model_dir, arch):
     """Later config fields enter the config line (and so the digest) only when they are not at their default."""
     line = GGUFModel(make_model(model_dir, arch)).manifest[0]
     assert ("n_dense_lead" in line) == (arch == "glm4moe")
-    assert ("n_rot" in line) == (arch not in ("olmoe", "gpt-oss"))  # gpt-oss rotates the whole head
-    assert ("yarn_factor" in line) == ("n_swa" in line) == (arch == "gpt-oss")
+    assert ("n_rot" in line) == (arch not in ("olmoe", "gpt-oss", "llama4"))  # gpt-oss and llama4 rotate the whole head
+    assert ("yarn_factor" in line) == (arch == "gpt-oss")
+    assert ("n_swa" in line) == (arch in ("gpt-oss", "llama4"))  # llama4: chunks of 8192
+    assert ("moe_step" in line) == (arch == "llama4")
 
 
 def test_missing_required_keys_and_tensors_are_named(tmp_path, monkeypatch):
