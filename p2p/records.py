@@ -107,6 +107,11 @@ class ModelShape:
     n_dense_lead: int = 0
     moe_step: int = 0
 
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers with experts: the only ones a host can announce."""
+        return tuple(i for i in range(self.n_dense_lead, self.n_layer) if not self.moe_step or (i + 1) % self.moe_step == 0)
+
     def check(self, record: HostRecord) -> None:
         """An OutsideModel unless record is for this model and within its MoE layers and experts."""
         h = record.hosted

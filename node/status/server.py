@@ -94,8 +94,8 @@ class NodeStatus:
         if self.model is None or self.discovery is None:
             return
         m = self.model
-        found = await asyncio.gather(*(self.discovery.lookup(m.digest, layer, fresh=True) for layer in range(m.n_layer)))
-        self.coverage = build_coverage(m.digest, m.n_layer, m.n_expert, dict(enumerate(found)), time.time(), self._seen())
+        found = await asyncio.gather(*(self.discovery.lookup(m.digest, layer, fresh=True) for layer in m.moe_layers))
+        self.coverage = build_coverage(m.digest, m.n_layer, m.n_expert, dict(zip(m.moe_layers, found, strict=True)), time.time(), self._seen(), layers=m.moe_layers)
 
     def _seen(self) -> dict[str, Seen]:
         if self.remote is None:

@@ -439,6 +439,7 @@ def test_model_shape_refuses_the_dense_layers_between_interleaved_moe_ones():
     shape = ModelShape(MODEL, n_layer=4, n_expert=32, moe_step=2)
     for layer in (1, 3):
         shape.check(signed(slice_=hosted(layer, ((0, 8),)))[0])
+    assert shape.moe_layers == (1, 3) and SHAPE.moe_layers == (1, 2, 3)
     with pytest.raises(OutsideModel, match="layer 2 is dense"):
         shape.check(signed(slice_=hosted(2, ((0, 8),)))[0])
 
