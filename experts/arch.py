@@ -36,6 +36,7 @@ class QKNorm(enum.Enum):
     NONE = "none"
     PER_HEAD = "per_head"  # weight (head_dim,), each head normed alone (qwen3moe, glm4moe)
     WHOLE = "whole"  # weight (n_head*head_dim,) / (n_head_kv*head_dim,), the whole projection normed at once (olmoe, minimax-m2)
+    WEIGHTLESS_AFTER_ROPE = "weightless_after_rope"  # llama4: per-head RMS norm without weight, after RoPE, RoPE layers only
 
 
 class Gating(enum.Enum):
@@ -88,6 +89,17 @@ class ArchSpec:
     mtp_norms: tuple[str, ...] = ()  # (n_embd,) norms an MTP block must carry besides nextn.{eh_proj,enorm,hnorm}
     fused_qkv: bool = False  # one attn_qkv (q_dim + 2 kv_dim, n_embd) instead of attn_q/k/v; llama.cpp needs q_dim == n_embd
     mla: bool = False  # multi-head latent attention (deepseek2): q-LoRA, a shared latent KV, YaRN mscale² in the scale
+    # llama4 (src/models/llama4.cpp, llama-graph.cpp build_moe_ffn):
+    select_on_logits: bool = False  # top-k on the raw router logits (the weights are still the gated probabilities)
+    weight_before_expert: bool = False  # y_j = expert_j(w_j x), not w_j expert_j(x)
+    interleave_moe: bool = False  # interleave_moe_layer_step (required): layer i has experts iff (i + 1) % step == 0
+    shexp_expert_width: bool = False  # the shared expert is as wide as a routed one (llama.cpp: n_ff_shexp = n_ff_exp)
+    rope_freqs: bool = False  # optional rope_freqs.weight (n_rot/2,): llama3-style factors, each pair's angle divided by its
+    chunked_attn: int = 0  # > 0: SWA layers attend within fixed chunks of this many positions (llama.cpp hard-codes 8192)
+    chunk_period: int = 0  # default SWA pattern of chunked attention (sliding_window_pattern overrides)
+    nope_period: int = 0  # > 0: layer i has no RoPE (and no q/k norm) iff (i + 1) % nope_period == 0
+    attn_temp: tuple[float, float, float] | None = None  # NoPE layers scale q by log(floor((pos + offset) / floor_) + 1) * scale + 1: (floor_, scale, offset)
+    kq_norm_off_at: int = 0  # no q/k norm for models with this many experts (llama.cpp: use_kq_norm false for 17B_128E)
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -290,6 +302,32 @@ ARCHS: dict[str, ArchSpec] = {
         shexp_from_count=True,
         optional_tensors=("exp_probs_b.bias",),
         mla=True,
+    ),
+    # src/models/llama4.cpp: sigmoid top-1 on the raw logits with the weight multiplied into the expert's input,
+    # un-gated shared expert as wide as a routed one, MoE every interleave_moe_layer_step-th layer (dense FFN between),
+    # NORM RoPE with llama3 frequency factors, chunked attention (8192) on 3 of 4 layers, NoPE every 4th layer with
+    # temperature-scaled queries, weightless q/k RMS norm after RoPE (not for 128-expert models).
+    "llama4": ArchSpec(
+        name="llama4",
+        rope=RopeStyle.NORM,
+        norm_topk=False,
+        shared_expert=SharedExpert.PLAIN,
+        qk_norm=QKNorm.WEIGHTLESS_AFTER_ROPE,
+        qkv_bias=False,
+        tied_output_allowed=True,
+        n_ff_exp_key="expert_feed_forward_length",
+        gating=Gating.SIGMOID,
+        select_on_logits=True,
+        weight_before_expert=True,
+        interleave_moe=True,
+        shexp_expert_width=True,
+        rope_freqs=True,
+        chunked_attn=8192,
+        chunk_period=4,
+        nope_period=4,
+        attn_temp=(8192.0, 0.1, 1.0),
+        kq_norm_off_at=128,
+        optional_tensors=("rope_freqs.weight",),
     ),
 }
 

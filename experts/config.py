@@ -51,6 +51,7 @@ class ModelConfig:
     v_head_dim: int = field(default=0, metadata=_LATER)
     mla_kv_b: bool = field(default=False, metadata=_LATER)  # the legacy layout: one attn_kv_b, not attn_k_b/attn_v_b
     yarn_log_mul: float = field(default=0.0, metadata=_LATER)  # rope.scaling.yarn_log_multiplier / 0.1 (mscale_all_dim)
+    moe_step: int = field(default=0, metadata=_LATER)  # interleave_moe_layer_step: layer i has experts iff (i + 1) % step == 0; 0: every layer
 
     @property
     def spec(self) -> ArchSpec:
@@ -86,7 +87,21 @@ class ModelConfig:
 
     def is_moe(self, layer: int) -> bool:
         """Whether *layer* routes to experts (else it has a dense FFN and nothing to dispatch)."""
-        return layer >= self.n_dense_lead
+        return layer >= self.n_dense_lead and (self.moe_step == 0 or (layer + 1) % self.moe_step == 0)
+
+    def uses_rope(self, layer: int) -> bool:
+        """False on the arch's NoPE layers (llama4: every 4th), which rotate nothing and scale q by temperature instead."""
+        p = self.spec.nope_period
+        return p == 0 or (layer + 1) % p != 0
+
+    def first_key(self, layer: int, pos: int) -> int:
+        """The first position query *pos* attends to on *layer* (llama.cpp's ``is_masked_swa``): 0 on a full layer;
+        on an SWA layer the last ``n_swa`` positions, or with chunked attention the start of the query's chunk."""
+        if not self.is_swa(layer):
+            return 0
+        if self.spec.chunked_attn:
+            return pos // self.n_swa * self.n_swa
+        return max(0, pos + 1 - self.n_swa)
 
     def is_swa(self, layer: int) -> bool:
         """Whether *layer* attends only to the last ``n_swa`` positions (llama.cpp's ``hparams.is_swa``)."""
@@ -113,6 +128,7 @@ class ModelConfig:
             scale=self.expert_weights_scale,
             n_groups=self.n_expert_groups,
             n_group_used=self.n_group_used,
+            select_logits=spec.select_on_logits,
         )
 
     def canonical(self) -> dict:

@@ -4,7 +4,7 @@ Every matmul is batch invariant (see :mod:`experts.moe`): a token's logits are t
 bits whether it is decoded alone, verified in a speculative draft or batched with other
 sequences, which is what makes those optimisations exactly output-preserving.
 
-Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / deepseek2: the per-arch
+Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / llama4 / deepseek2 (and the extras in experts/arch.py): the per-arch
 differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
 thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> Future[routed_sum]``
 (llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe` through
@@ -26,7 +26,7 @@ from .dense_weights import FFN, DenseLinear, DenseWeights, Linear, PackedWeights
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
 from .kernels import Kernel
-from .moe import route, softmax
+from .moe import route, slot_sum, softmax, weight_inputs
 
 # The hook returns a Future of the routed sum, always: the forward computes the shared expert (an
 # independent additive term) while a remote round trip is in flight, then waits, in one place.
@@ -94,16 +94,21 @@ class Yarn:
         return interp * (1.0 - ramp) + theta * ramp, self.magnitude
 
 
-def rope(x: np.ndarray, pos: np.ndarray, theta_base: float, style: RopeStyle, n_rot: int | None = None, yarn: Yarn | None = None) -> np.ndarray:
+def rope(
+    x: np.ndarray, pos: np.ndarray, theta_base: float, style: RopeStyle, n_rot: int | None = None, yarn: Yarn | None = None, factors: np.ndarray | None = None
+) -> np.ndarray:
     """Rotate the first *n_rot* dims (default all) of x (n, heads, head_dim) by positions pos (n,).
 
-    As ggml: the frequencies are over n_rot, not head_dim, and the other dims pass through.
+    As ggml: the frequencies are over n_rot, not head_dim, and the other dims pass through; each pair's
+    angle is divided by its frequency factor (``rope_freqs.weight``) when the model has them.
     """
     if n_rot is not None and n_rot < x.shape[-1]:
-        return np.concatenate([rope(x[..., :n_rot], pos, theta_base, style, yarn=yarn), x[..., n_rot:]], axis=-1)
+        return np.concatenate([rope(x[..., :n_rot], pos, theta_base, style, yarn=yarn, factors=factors), x[..., n_rot:]], axis=-1)
     hd = x.shape[-1]
     inv = theta_base ** (-np.arange(0, hd // 2, dtype=np.float64) * 2.0 / hd)
     ang = pos[:, None].astype(np.float64) * inv[None, :]
+    if factors is not None:
+        ang = ang / factors.astype(np.float64)[None, :]
     mag = 1.0
     if yarn is not None:
         ang, mag = yarn.angles(ang, hd, theta_base)
@@ -128,6 +133,13 @@ def sink_softmax(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     m = np.maximum(scores.max(axis=-1, keepdims=True), s)
     e = np.exp(scores - m)
     return e / (e.sum(axis=-1, keepdims=True) + np.exp(s - m))
+
+
+def attn_temperature(pos: np.ndarray, temp: tuple[float, float, float]) -> np.ndarray:
+    """llama.cpp's per-position query scale on NoPE layers (``llm_graph_input_attn_temp``): log(floor((pos + offset) /
+    floor_) + 1) * scale + 1, computed in double and stored as float32, as there. 1.0 before position floor_ - offset."""
+    floor_, scale, offset = temp
+    return (np.log(np.floor((pos.astype(np.float64) + offset) / floor_) + 1.0) * np.float32(scale) + 1.0).astype(np.float32)
 
 
 @dataclass
@@ -271,6 +283,9 @@ class Backbone:
                 )
             )
         self.router_params = cfg.router
+        self.rope_freqs = opt("rope_freqs.weight") if self.spec.rope_freqs else None
+        # llama4's weightless q/k norm after RoPE, which llama.cpp leaves out for 128-expert models (Maverick)
+        self.qk_norm_after_rope = self.spec.qk_norm is QKNorm.WEIGHTLESS_AFTER_ROPE and cfg.n_expert != self.spec.kq_norm_off_at
         self.yarn = Yarn(cfg.yarn_factor, cfg.yarn_orig_ctx, cfg.yarn_log_mul) if cfg.yarn_factor else None
 
     def _qkv(self, lin: DenseWeights | PackedWeights, b: str) -> tuple[Linear, Linear, Linear]:
@@ -298,9 +313,15 @@ class Backbone:
         v = v.reshape(n, cfg.n_head_kv, hd)
         if L.q_norm is not None and not whole:
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
-        base = cfg.rope_base(i)
-        q = rope(q, pos, base, self.spec.rope, cfg.rope_dim, self.yarn)
-        k = rope(k, pos, base, self.spec.rope, cfg.rope_dim, self.yarn)
+        if cfg.uses_rope(i):
+            base = cfg.rope_base(i)
+            q = rope(q, pos, base, self.spec.rope, cfg.rope_dim, self.yarn, self.rope_freqs)
+            k = rope(k, pos, base, self.spec.rope, cfg.rope_dim, self.yarn, self.rope_freqs)
+            if self.qk_norm_after_rope:
+                one = np.float32(1.0)
+                q, k = rms_norm(q, one, cfg.rms_eps), rms_norm(k, one, cfg.rms_eps)
+        elif self.spec.attn_temp is not None:
+            q = q * attn_temperature(pos, self.spec.attn_temp)[:, None, None]
         if len(cache.k) <= i:
             cache.k.append(k)
             cache.v.append(v)
@@ -310,13 +331,12 @@ class Backbone:
         rep = cfg.n_head // cfg.n_head_kv
         scale = np.float32(1.0 / np.sqrt(hd))
         out = np.empty((n, cfg.n_head, hd), dtype=np.float32)
-        window = cfg.n_swa if cfg.is_swa(i) else 0
-        # One query row at a time over exactly its causal keys (the last n_swa of them on an SWA layer, which
-        # masks key p0 for query p1 when p1 - p0 >= n_swa): the same shapes (and so the same bits) whether the
-        # row is decoded alone, verified inside a speculative draft, or batched.
+        # One query row at a time over exactly its causal keys (on an SWA layer the last n_swa of them, or those
+        # of its chunk: cfg.first_key): the same shapes (and so the same bits) whether the row is decoded alone,
+        # verified inside a speculative draft, or batched.
         for r in range(n):
             t = int(pos[r]) + 1
-            s0 = max(0, t - window) if window else 0
+            s0 = cfg.first_key(i, t - 1)
             K = np.ascontiguousarray(np.repeat(cache.k[i][s0:t], rep, axis=1).transpose(1, 2, 0))  # (heads, hd, t)
             V = np.ascontiguousarray(np.repeat(cache.v[i][s0:t], rep, axis=1).transpose(1, 0, 2))  # (heads, t, hd)
             scores = np.matmul(q[r][:, None, :], K) * scale  # (heads, 1, t)
@@ -391,9 +411,10 @@ class Backbone:
                 x = x + L.ffn(h)
                 continue
             ids, w = self.router(i, h)
-            routed = moe_ffn(i, h, ids, w)
+            before = self.spec.weight_before_expert
+            routed = moe_ffn(i, *weight_inputs(h, ids, w)) if before else moe_ffn(i, h, ids, w)
             sh = self.shared_expert(i, h)  # runs while a remote dispatch is in flight
-            out = routed.result()
+            out = slot_sum(routed.result(), ids.shape[1]) if before else routed.result()
             if sh is not None:
                 out = out + sh
             x = x + out

@@ -80,11 +80,17 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
             raise ModelFormatError(f"{a}expert_shared_count is 0: {arch} models have a shared expert (llama.cpp's graph assumes one)")
         unit = int(opt("expert_shared_feed_forward_length", 0)) if spec.shexp_unit_key else 0
         n_ff_shexp = (unit or n_ff_exp) * n_shared
+    elif spec.shexp_expert_width:
+        n_ff_shexp = n_ff_exp
     elif spec.shared_expert is not SharedExpert.NONE:
         n_ff_shexp = int(opt("expert_shared_feed_forward_length", 0))
         if not n_ff_shexp and not spec.shexp_key_only:
             n_ff_shexp = int(_field(reader, a + "feed_forward_length"))
     n_dense_lead = int(opt("leading_dense_block_count", 0)) if spec.dense_lead else 0
+    moe_step = int(_field(reader, a + "interleave_moe_layer_step")) if spec.interleave_moe else 0
+    if spec.interleave_moe and not 0 < moe_step <= n_layer:
+        raise ModelFormatError(f"{a}interleave_moe_layer_step is {moe_step}: with {n_layer} layers that leaves no MoE layer")
+    has_dense = n_dense_lead > 0 or moe_step > 1
     head_dim = int(opt("attention.key_length", n_embd // n_head))
     mla = _read_mla(reader, a, head_dim) if spec.mla else {}
     head_dim = mla.pop("head_dim", head_dim)
@@ -105,6 +111,12 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         n_swa = int(_field(reader, a + "attention.sliding_window"))
         swa_period = opt("attention.sliding_window_pattern", spec.swa_period)
         if not isinstance(swa_period, int):  # llama.cpp's get_key_or_arr into one period: a per-layer array is another arch's
+            raise ModelFormatError(f"{a}attention.sliding_window_pattern must be one period for {arch}, not a per-layer array")
+    elif spec.chunked_attn:
+        if opt("attention.sliding_window", None) == 0:  # llama.cpp then runs no chunks but still asks for the temperature, and aborts
+            raise ModelFormatError(f"{a}attention.sliding_window is 0 (no chunked attention): llama.cpp cannot run such {arch} files, so neither do we")
+        n_swa, swa_period = spec.chunked_attn, opt("attention.sliding_window_pattern", spec.chunk_period)
+        if not isinstance(swa_period, int):
             raise ModelFormatError(f"{a}attention.sliding_window_pattern must be one period for {arch}, not a per-layer array")
     for key, only in spec.fixed_keys:
         got = _field(reader, a + key)
@@ -134,7 +146,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         name=str(_field(reader, "general.name", required=False, default=arch)),
         n_nextn=n_nextn,
         n_dense_lead=n_dense_lead,
-        n_ff_dense=int(_field(reader, a + "feed_forward_length")) if n_dense_lead else 0,
+        n_ff_dense=int(_field(reader, a + "feed_forward_length")) if has_dense else 0,
         n_rot=0 if n_rot == head_dim else n_rot,
         gating=gating,
         norm_topk=bool(opt("expert_weights_norm", False)) if spec.norm_from_file else None,
@@ -147,6 +159,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         yarn_factor=float(opt("rope.scaling.factor", 0.0)) if yarn else 0.0,  # absent: factor 1, YaRN changes nothing
         yarn_orig_ctx=int(opt("rope.scaling.original_context_length", n_ctx)) if yarn else 0,
         **mla,
+        moe_step=moe_step,
     )
 
 
@@ -268,7 +281,7 @@ class GGUFModel:
         for name, shape in want.items():
             t = self.tensors.get(name)
             if t is None:
-                if name.split(".", 2)[-1] in optional and not self.is_slice:
+                if (name.split(".", 2)[-1] if name.startswith("blk.") else name) in optional and not self.is_slice:
                     continue
                 raise ModelFormatError(f"tensor {name} is missing from {self.path} (arch {cfg.arch})")
             got = tuple(int(x) for x in reversed(t.shape))

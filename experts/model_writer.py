@@ -30,6 +30,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "output_norm.weight": (d,),
         "output.weight": (cfg.n_vocab, d),
     }
+    if spec.rope_freqs:
+        shapes["rope_freqs.weight"] = (cfg.rope_dim // 2,)
     for i in range(cfg.n_layer + cfg.n_nextn):
         b = f"blk.{i}."
         # Insertion order is the random models' draw order: keep it, or every random model's weights (and digest) change.
@@ -152,7 +154,7 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     w.add_expert_feed_forward_length(cfg.n_ff_exp)
     if spec.shexp_from_count:
         w.add_expert_shared_count(cfg.n_ff_shexp // cfg.n_ff_exp)
-    elif cfg.n_ff_shexp:
+    elif cfg.n_ff_shexp and not spec.shexp_expert_width:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
     if cfg.n_nextn:
         w.add_nextn_predict_layers(cfg.n_nextn)
@@ -167,7 +169,12 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     if cfg.n_expert_groups:
         w.add_expert_group_count(cfg.n_expert_groups)
         w.add_expert_group_used_count(cfg.n_group_used)
-    if cfg.n_swa:
+    if cfg.moe_step:
+        w.add_interleave_moe_layer_step(cfg.moe_step)
+    if cfg.n_swa and spec.chunked_attn:  # the chunk size is fixed by llama.cpp: only a non-default pattern is written
+        if cfg.swa_period != spec.chunk_period:
+            w.add_sliding_window_pattern(cfg.swa_period)
+    elif cfg.n_swa:
         w.add_sliding_window(cfg.n_swa)
         w.add_sliding_window_pattern(cfg.swa_period)
     if cfg.rope_theta_swa:

@@ -60,6 +60,7 @@ class Router:
     scale: float = 0.0  # multiply the weights by this unless 0 or 1
     n_groups: int = 0  # > 1: keep only the n_group_used groups with the largest top-2 sums
     n_group_used: int = 0
+    select_logits: bool = False  # top-k on the raw logits, not the probabilities (llama4)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -75,7 +76,7 @@ def route(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray
     """
     logits = logits.astype(np.float32, copy=False)
     probs = {Gating.SOFTMAX: softmax, Gating.SIGMOID: sigmoid, Gating.SOFTMAX_WEIGHT: lambda z: z}[router.gating](logits)
-    sel = probs if selection_bias is None else probs + selection_bias
+    sel = logits if router.select_logits else probs if selection_bias is None else probs + selection_bias
     if router.n_groups > 1:
         n, e = sel.shape
         groups = sel.reshape(n, router.n_groups, e // router.n_groups)
@@ -94,6 +95,21 @@ def route(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray
     if router.scale not in (0.0, 1.0):
         w = w * np.float32(router.scale)
     return ids, w.astype(np.float32)
+
+
+def weight_inputs(x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Weight before the expert (llama4, ``expert_j(w_j x)``) as a plain dispatch: one row ``w_j x`` per (token, slot),
+    that slot's expert, weight 1.0. Workers compute it as any other dispatch (1.0 * y is y, bit for bit), so the
+    wire and the workers need nothing new; :func:`slot_sum` adds the rows back in slot order, as llama.cpp does."""
+    n, k = expert_ids.shape
+    rows = (weights[:, :, None] * x[:, None, :]).reshape(n * k, x.shape[1])
+    return rows, expert_ids.reshape(n * k, 1), np.ones((n * k, 1), dtype=np.float32)
+
+
+def slot_sum(rows: np.ndarray, k: int) -> np.ndarray:
+    """The routed sum of :func:`weight_inputs`' rows (n * k, d): each token's k slots added in slot order."""
+    terms = rows.reshape(-1, k, rows.shape[1])
+    return ordered_sum(terms, np.ones(terms.shape[:2], dtype=bool))[0]
 
 
 def tiled_matmul(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:

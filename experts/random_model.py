@@ -74,6 +74,9 @@ RANDOM_FEATURES: dict[str, dict] = {
     # V3's mscale_all_dim of 1.
     "deepseek2": {"n_dense_lead": 1, "n_nextn": 1, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2),
                   "yarn_factor": 4.0, "yarn_orig_ctx": 64, "yarn_log_mul": 1.0, "mla": (3, 2)},
+    # llama4: experts on every 2nd layer (dense FFNs between, as Maverick), chunked attention and NoPE layers from
+    # the arch row (chunks of 8192 and the temperature only show past position 8190), rope_freqs factors.
+    "llama4": {"moe_step": 2},
 }
 
 
@@ -104,7 +107,9 @@ def random_config(
         n_head_kv = n_head if spec.mha_only else 2
     elif spec.mha_only and n_head_kv != n_head:
         raise ModelFormatError(f"{arch} needs as many KV heads as heads ({n_head}); got {n_head_kv}")
-    if spec.shared_expert is SharedExpert.NONE:
+    if spec.shexp_expert_width:
+        n_ff_shexp = n_ff_exp  # llama.cpp reads no width for it
+    elif spec.shared_expert is SharedExpert.NONE:
         n_ff_shexp = 0  # the arch has none: llama.cpp would refuse the file's extra tensors
     elif n_ff_shexp is None:
         n_ff_shexp = 2 * n_ff_exp
@@ -125,6 +130,9 @@ def random_config(
     n_dense_lead = feat.get("n_dense_lead", 0)
     if n_layer <= n_dense_lead:
         raise ModelFormatError(f"{arch} random models have {n_dense_lead} dense lead layer(s); give more than {n_dense_lead} layers")
+    moe_step = feat.get("moe_step", 0)
+    if n_layer < moe_step:
+        raise ModelFormatError(f"{arch} random models have experts on every layer i with (i + 1) % {moe_step} == 0; give at least {moe_step} layers")
     groups, used = feat.get("groups", (0, 0))
     if not (groups and n_expert % groups == 0 and groups < n_expert and n_expert_used <= used * (n_expert // groups)):
         groups = used = 0  # too few experts for the arch's groups: plain top-k
@@ -146,19 +154,20 @@ def random_config(
         name=f"random-{arch}",
         n_nextn=feat.get("n_nextn", 0),
         n_dense_lead=n_dense_lead,
-        n_ff_dense=2 * n_ff_exp if n_dense_lead else 0,
+        n_ff_dense=2 * n_ff_exp if n_dense_lead or moe_step > 1 else 0,
         n_rot=head_dim // 2 if feat.get("half_rope") else head_dim // 3 if spec.mla else 0,
         gating=feat.get("gating"),
         norm_topk=feat.get("norm_topk"),
         expert_weights_scale=feat.get("expert_weights_scale", 0.0),
         n_expert_groups=groups,
         n_group_used=used,
-        n_swa=feat.get("n_swa", 0),
-        swa_period=spec.swa_period if feat.get("n_swa") else 0,
+        n_swa=feat.get("n_swa", spec.chunked_attn),
+        swa_period=spec.swa_period if feat.get("n_swa") else spec.chunk_period,
         rope_theta_swa=feat.get("rope_theta_swa", 0.0),
         yarn_factor=feat.get("yarn_factor", 0.0),
         yarn_orig_ctx=feat.get("yarn_orig_ctx", 0),
         **mla,
+        moe_step=moe_step,
     )
 
 
@@ -175,6 +184,8 @@ def _random_arrays(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarra
             arr = 0.1 * rng.standard_normal(shape)  # a selection bias on sigmoid probabilities: small, but it moves choices
         elif name.endswith(("ffn_gate_exps.bias", "ffn_up_exps.bias")):
             arr = 3.0 * rng.standard_normal(shape)  # wide enough that SwiGLU-OAI's clamps at +-7 bite on some rows
+        elif name == "rope_freqs.weight":
+            arr = rng.uniform(1.0, 8.0, shape)  # llama3-style factors (1 for fast pairs up to rope.scaling.factor): every pair's angle moves
         elif name.endswith("attn_sinks.weight"):
             arr = 2.0 + rng.standard_normal(shape)  # sink logits above the typical score: they take a visible share
         elif name.endswith(("ffn_gate_inp.bias", "_exps.bias")):

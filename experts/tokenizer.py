@@ -141,6 +141,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "bailingmoe2": _BAILINGMOE,
     "deepseek-v3": _DEEPSEEK3,  # DeepSeek-V3 / R1
     "kimi-k2": _KIMI_K2,
+    "llama4": _GPT4O,  # Llama 4 Scout / Maverick (llama-vocab.cpp maps it to GPT-4o's regex)
 }
 SUPPORTED_MODELS = ("gpt2", "llama")
 

@@ -98,13 +98,20 @@ class OutsideModel(RecordError):
 class ModelShape:
     """What a node that loaded a model knows of it: enough to refuse records no honest host could sign.
 
-    Layers ``0 .. n_dense_lead - 1`` have a dense FFN and no experts, so no record may name them.
+    Layers ``0 .. n_dense_lead - 1`` have a dense FFN and no experts, and with ``moe_step`` > 0 (llama4's
+    interleave_moe_layer_step) so has every layer i with ``(i + 1) % moe_step != 0``: no record may name them.
     """
 
     digest: str
     n_layer: int
     n_expert: int
     n_dense_lead: int = 0
+    moe_step: int = 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers with experts: the only ones a host can announce."""
+        return tuple(i for i in range(self.n_dense_lead, self.n_layer) if not self.moe_step or (i + 1) % self.moe_step == 0)
 
     def check(self, record: HostRecord) -> None:
         """An OutsideModel unless record is for this model and within its MoE layers and experts."""
@@ -115,6 +122,8 @@ class ModelShape:
             raise OutsideModel(
                 f"{record.describe()}: the model's MoE layers are {self.n_dense_lead}..{self.n_layer - 1}"
             )
+        if self.moe_step and (h.layer + 1) % self.moe_step:
+            raise OutsideModel(f"{record.describe()}: layer {h.layer} is dense (experts only on every {self.moe_step}th layer)")
         if h.expert_ranges and h.expert_ranges[-1][1] > self.n_expert:
             raise OutsideModel(
                 f"{record.describe()} offers experts up to {h.expert_ranges[-1][1] - 1}; the model has {self.n_expert}"

@@ -13,7 +13,7 @@ from p2p.identity import Identity
 
 ARCHS = ("qwen2moe", "qwen3moe", "llama")
 # Archs of issue 12: checked against llama.cpp in test_reference and through a real swarm in test_swarm_archs.
-NEW_ARCHS = ("olmoe", "glm4moe", "minimax-m2", "gpt-oss")
+NEW_ARCHS = ("olmoe", "glm4moe", "minimax-m2", "gpt-oss", "llama4")
 NEW_ARCHS += ("qwen3vlmoe", "dots1", "ernie4_5-moe", "bailingmoe2")  # issue 12's cheap extras, held to the same tests
 # Archs of issue 15, in the same tests (test_reference, test_swarm_archs).
 ISSUE15_ARCHS = ("deepseek2",)

@@ -38,4 +38,4 @@ async def survey(model: GGUFModel, bootstrap: Sequence[str], dht_listen: str) ->
             found = await asyncio.gather(*(dht.lookup(model.digest, layer) for layer in model.moe_layers))
     except DiscoveryError as exc:
         raise UsageError(f"could not join the DHT through {', '.join(bootstrap)}: {exc}; check the peer id in the address (the part after /p2p/)") from None
-    return build_coverage(model.digest, cfg.n_layer, cfg.n_expert, dict(zip(model.moe_layers, found, strict=True)), time.time())
+    return build_coverage(model.digest, cfg.n_layer, cfg.n_expert, dict(zip(model.moe_layers, found, strict=True)), time.time(), layers=model.moe_layers)

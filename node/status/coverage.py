@@ -113,11 +113,15 @@ def announced_paths(record: HostRecord) -> str:
     return "+".join(name for name, present in (("direct", h.quic_addr), ("relay", h.relay)) if present) or "none"
 
 
-def build_coverage(model: str, n_layer: int, n_expert: int, records: Mapping[int, Sequence[HostRecord]], now: float, seen: Mapping[str, Seen] | None = None) -> Coverage:
-    """Cut each layer at every range boundary any host announces, and list the hosts of each piece."""
+def build_coverage(
+    model: str, n_layer: int, n_expert: int, records: Mapping[int, Sequence[HostRecord]], now: float, seen: Mapping[str, Seen] | None = None, *, layers: Sequence[int] | None = None
+) -> Coverage:
+    """Cut each layer at every range boundary any host announces, and list the hosts of each piece.
+
+    *layers*: the model's MoE layers (default all): dense ones have no experts to host, so they are no gap."""
     seen = seen or {}
     cells = []
-    for layer in range(n_layer):
+    for layer in range(n_layer) if layers is None else layers:
         hosts = [r for r in records.get(layer, ()) if r.hosted.expert_ranges]
         cuts = sorted({0, n_expert} | {b for r in hosts for rng in r.hosted.expert_ranges for b in rng if 0 <= b <= n_expert})
         for start, stop in zip(cuts, cuts[1:]):

@@ -116,7 +116,7 @@ class NodeCollector(Collector):
             yield from self._relay(s.relay)
         if s.coverage is not None:
             hosts = GaugeMetricFamily("moeswarm_swarm_hosts", "Hosts the DHT lists for a layer (any expert range).", labels=["layer"])
-            for layer in range(s.coverage.n_layer):
+            for layer in sorted({c.layer for c in s.coverage.cells}):
                 hosts.add_metric([str(layer)], len({h.peer for c in s.coverage.cells if c.layer == layer for h in c.hosts}))
             yield hosts
         if self.ledger is not None:

@@ -42,7 +42,7 @@ SEEN_WINDOW = 2000  # newest dispatch records the page's path/RTT per host come 
 def model_shape(model: Any) -> ModelShape:
     """The shape of a ``GGUFModel`` (full model or slice: the config keeps the whole model's layer count)."""
     cfg = model.cfg
-    return ModelShape(model.digest, cfg.n_layer, cfg.n_expert, cfg.n_dense_lead)
+    return ModelShape(model.digest, cfg.n_layer, cfg.n_expert, cfg.n_dense_lead, cfg.moe_step)
 
 
 @dataclass
@@ -95,11 +95,11 @@ class NodeStatus:
         if self.model is None or self.discovery is None:
             return
         m = self.model
-        found = await asyncio.gather(*(self.discovery.lookup(m.digest, layer, fresh=True) for layer in range(m.n_layer)))
+        found = await asyncio.gather(*(self.discovery.lookup(m.digest, layer, fresh=True) for layer in m.moe_layers))
         now = time.time()
-        rounds = {layer: with_last_round(records, self._last_round.get(layer, ()), now) for layer, records in enumerate(found)}
-        self._last_round = dict(enumerate(found))
-        self.coverage = build_coverage(m.digest, m.n_layer, m.n_expert, rounds, now, self._seen())
+        rounds = {layer: with_last_round(records, self._last_round.get(layer, ()), now) for layer, records in zip(m.moe_layers, found, strict=True)}
+        self._last_round = dict(zip(m.moe_layers, found, strict=True))
+        self.coverage = build_coverage(m.digest, m.n_layer, m.n_expert, rounds, now, self._seen(), layers=m.moe_layers)
 
     def _seen(self) -> dict[str, Seen]:
         if self.remote is None:

@@ -41,7 +41,9 @@ def test_new_archs_config_lines_name_only_what_they_use(model_dir, arch):
     feat = RANDOM_FEATURES.get(arch, {})
     assert ("n_dense_lead" in line) == ("n_dense_lead" in feat)
     assert ("n_rot" in line) == ("half_rope" in feat)  # the others rotate the whole head
-    assert ("yarn_factor" in line) == ("n_swa" in line) == (arch == "gpt-oss")
+    assert ("yarn_factor" in line) == ("yarn_factor" in feat)
+    assert ("n_swa" in line) == (arch in ("gpt-oss", "llama4"))  # llama4: chunks of 8192
+    assert ("moe_step" in line) == ("moe_step" in feat)
 
 
 def test_missing_required_keys_and_tensors_are_named(tmp_path, monkeypatch):

@@ -450,6 +450,16 @@ def test_model_shape_refuses_layers_and_experts_the_model_lacks(layer, ranges, f
             SHAPE.check(record)
 
 
+def test_model_shape_refuses_the_dense_layers_between_interleaved_moe_ones():
+    """llama4 with interleave_moe_layer_step 2: layers 1 and 3 have experts, a record for layer 2 does not fit."""
+    shape = ModelShape(MODEL, n_layer=4, n_expert=32, moe_step=2)
+    for layer in (1, 3):
+        shape.check(signed(slice_=hosted(layer, ((0, 8),)))[0])
+    assert shape.moe_layers == (1, 3) and SHAPE.moe_layers == (1, 2, 3)
+    with pytest.raises(OutsideModel, match="layer 2 is dense"):
+        shape.check(signed(slice_=hosted(2, ((0, 8),)))[0])
+
+
 def test_model_shape_refuses_records_of_another_model():
     """A record naming another model's digest does not fit this model's shape."""
     record, _ = signed(slice_=HostedSlice(OTHER_MODEL, 1, ((0, 8),), quic_addr="127.0.0.1:4433"))

@@ -187,3 +187,9 @@ def test_gateway_answers_503_until_it_has_an_engine():
     (v1, body), (ready, why) = _get(gateway.app, "/v1/stats", "/readyz")
     assert v1 == 503 and "waiting for hosts" in body and "not_ready" in body
     assert ready == 503 and "waiting for hosts" in why
+
+
+def test_coverage_of_a_model_with_dense_layers_lists_only_its_moe_layers():
+    """llama4 with experts on layers 1 and 3: the dense layers 0 and 2 are no gap; an unhosted MoE layer is."""
+    cov = build_coverage(DIGEST, 4, 32, {1: [record(A, 1, ((0, 32),))]}, 0.0, layers=(1, 3))
+    assert sorted({c.layer for c in cov.cells}) == [1, 3] and cov.lacking == [3]
