@@ -124,11 +124,11 @@ class NodeStatus:
 
 
 def with_last_round(records: list[Any], last: Any, now: float) -> list[Any]:
-    """This round's host records plus the previous round's still-live ones it missed: one lookup that timed out
-    on a busy node (or a ping that came back late) must not flip /readyz to 503 for a host that is there. A host
-    that left drops out one round later (a withdrawn host's tombstone hides it from both rounds' next lookups)."""
-    seen = {r.peer_id for r in records}
-    return records + [r for r in last if r.peer_id not in seen and r.is_live(now)]
+    """This round's host records, or, when the lookup found no host at all, the previous round's still-live ones:
+    one lookup that timed out on a busy node must not flip /readyz to 503 for hosts that are there. A lookup that
+    finds some hosts is taken as it is, so a worker that left disappears at the next refresh whenever others remain
+    (the last host of a layer, one refresh later)."""
+    return records if records else [r for r in last if r.is_live(now)]
 
 
 def ledger_totals(path: Path) -> LedgerTotals | None:

@@ -50,8 +50,8 @@ def test_host_summaries_merge_the_cells_back_into_each_hosts_ranges():
 
 
 def test_one_lookup_that_misses_a_host_does_not_make_the_node_unready():
-    """A lookup round that comes back without a live host (a timeout on a busy node) keeps it one more round;
-    the next round without it drops it, and an expired record is never kept."""
+    """A lookup round that finds no host (a timeout on a busy node) keeps the last round's live hosts once; the next
+    empty round drops them, a round that finds some hosts is taken as it is, and an expired record is never kept."""
     import time
 
     now = int(time.time())
@@ -68,6 +68,11 @@ def test_one_lookup_that_misses_a_host_does_not_make_the_node_unready():
         asyncio.run(status.refresh())
         verdicts.append(status.not_ready())
     assert verdicts == [None, None, "layers 0 lack hosts for some experts"]
+    other = HostRecord(B.peer_id, live.hosted, now - 10, now + 600, 1)
+    answers[:] = [[live, other], [other]]  # a lookup that finds some hosts is taken as it is: A left
+    asyncio.run(status.refresh())
+    asyncio.run(status.refresh())
+    assert {h.peer for c in status.coverage.cells for h in c.hosts} == {str(B.peer_id)}
     expired = HostRecord(A.peer_id, live.hosted, now - 700, now - 100, 1)
     answers[:] = [[expired], []]
     asyncio.run(status.refresh())
