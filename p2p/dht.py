@@ -204,24 +204,37 @@ async def probe_bootstrap(addr: str, timeout: float = BOOTSTRAP_WAIT, *, backoff
         (log.info if attempt == 0 else log.debug)("dht.bootstrap_retry", addr=addr, reason=reason, retry_in=round(delay, 1), gives_up_in=round(deadline - loop.time(), 1))
         await asyncio.sleep(delay)
         attempt += 1
-    if not await asyncio.to_thread(trio.run, _handshake, addr):
+    while (outcome := await asyncio.to_thread(trio.run, _handshake, addr)) == "slow":
+        # A busy bootstrap (or a loaded machine) may take longer than CONNECT_TIMEOUT: that is not a wrong key.
+        delay = backoff.delay(attempt)
+        if loop.time() + delay > deadline:
+            raise BootstrapUnreachable(f"bootstrap {addr} accepts TCP on {host}:{port} but did not finish the libp2p handshake within {CONNECT_TIMEOUT:.0f} s (retried for {timeout:.0f} s): it may be overloaded; check that it runs")
+        log.info("dht.bootstrap_retry", addr=addr, reason="handshake timed out", retry_in=round(delay, 1), gives_up_in=round(deadline - loop.time(), 1))
+        await asyncio.sleep(delay)
+        attempt += 1
+    if outcome != "ok":
         raise BootstrapError(f"bootstrap {addr} answers on TCP {host}:{port}, but not as peer {peer}: use the address that bootstrap prints ('join with: --bootstrap ...'); its /p2p/ part names its key, which changes with its --data-dir")
 
 
-async def _handshake(addr: str) -> bool:
-    """Whether a libp2p host with a fresh key completes a Noise handshake with the peer *addr* names."""
+async def _handshake(addr: str) -> str:
+    """How a libp2p host with a fresh key fares in a Noise handshake with the peer *addr* names: "ok", "slow" (no
+    answer within CONNECT_TIMEOUT) or "refused" (the handshake failed: another key, or not libp2p)."""
     lib = libp2p_api()
     key_pair = lib.create_new_key_pair(Identity.generate().seed)
     noise = lib.NoiseTransport(key_pair, noise_privkey=lib.create_x25519_key_pair().private_key)
     host = lib.new_host(key_pair=key_pair, sec_opt={lib.NOISE_PROTOCOL_ID: noise}, connection_config=lib.ConnectionConfig(max_connections_per_peer=1))
     async with host.run([]):
         try:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                await host.connect(lib.info_from_p2p_addr(lib.Multiaddr(addr)))
-            return True
-        except Exception as exc:  # libp2p dial errors share no base class; TooSlowError is trio's
-            log.debug("dht.bootstrap_handshake_failed", addr=addr, error=repr(exc))
-            return False
+            with trio.move_on_after(CONNECT_TIMEOUT) as scope:
+                try:
+                    await host.connect(lib.info_from_p2p_addr(lib.Multiaddr(addr)))
+                    return "ok"
+                except Exception as exc:  # libp2p dial errors share no base class (and may wrap our cancellation)
+                    if not scope.cancel_called:
+                        log.debug("dht.bootstrap_handshake_failed", addr=addr, error=repr(exc))
+                        return "refused"
+            log.debug("dht.bootstrap_handshake_slow", addr=addr)
+            return "slow"
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(CONNECT_TIMEOUT):
                 await host.close()

@@ -30,7 +30,7 @@ from experts.hosting import open_experts
 from experts.kernels import make_kernel
 from experts.moe import Partition, grouped_moe
 from experts.tokenizer import Tokenizer
-from node.launcher import Cluster, NodeProcess
+from node.launcher import Cluster, LaunchError, NodeProcess
 
 PROMPTS = ["And God said", "In the beginning", "The LORD is my shepherd", "And it came to pass", "Blessed are the meek", "Let there be light", "Thus saith the LORD", "Hear, O Israel"]
 MAX_TOKENS = 16
@@ -99,7 +99,8 @@ def run(minutes: float, churn_every: float, down_s: float, relay_every: float, m
     part = Partition(((0, half), (half, model.cfg.n_expert)))
     want = expected_texts(model, part)
     rng = random.Random(seed)
-    events = {"killed": 0, "terminated": 0, "restarted": 0, "relay_restarts": 0}
+    events = {"killed": 0, "terminated": 0, "restarted": 0, "restart_failures": 0, "relay_restarts": 0}
+    restart_errors: list[str] = []
     with tempfile.TemporaryDirectory(prefix="moeswarm-soak-") as tmp, Cluster(Path(tmp)) as cluster:
         relay = cluster.start("relay", "relay", "--listen", f"127.0.0.1:{_free_port()}")
         relay_url = relay.wait_ready()["url"]
@@ -125,9 +126,15 @@ def run(minutes: float, churn_every: float, down_s: float, relay_every: float, m
             now = time.monotonic()
             for name, back_at in list(down.items()):
                 if now >= back_at:
-                    workers[name].start().wait_ready(120)
-                    del down[name]
-                    events["restarted"] += 1
+                    try:
+                        workers[name].start().wait_ready(120)
+                        events["restarted"] += 1
+                        del down[name]
+                    except LaunchError as exc:  # a worker that fails to come back is a finding, not the end of the soak
+                        events["restart_failures"] += 1
+                        restart_errors.append(str(exc).splitlines()[-1])
+                        workers[name].stop()
+                        down[name] = time.monotonic() + down_s  # try again later
             if now >= next_churn:
                 next_churn = now + churn_every
                 up = [n for n in workers if n not in down and not any(m in down for m in workers if m != n and ranges[m][0] == ranges[n][0])]
@@ -166,4 +173,5 @@ def run(minutes: float, churn_every: float, down_s: float, relay_every: float, m
         "churn": events,
         "first_wrong": wrong[:3],
         "first_failures": failed[:5],
+        "restart_errors": restart_errors[:5],
     }
