@@ -16,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from experts.errors import SliceError
+from experts.errors import MoeSwarmError, SliceError
 from experts.gguf_model import ExpertRange
 from experts.slice_fetch import ExpertRows, FetchPlan, Holder, OutsideModel, SliceLayout, Staging
 from p2p import wire
@@ -56,11 +56,11 @@ class FetchResult:
     dropped: dict[str, str] = field(default_factory=dict)
 
 
-class _Busy(Exception):
+class _Busy(MoeSwarmError):
     """The holder answered OVERLOADED: ask again later, no strike."""
 
 
-class _Refused(Exception):
+class _Refused(MoeSwarmError):
     """The holder answered with an error reply."""
 
 

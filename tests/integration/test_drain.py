@@ -95,6 +95,7 @@ def test_sigterm_with_a_dispatch_in_flight_loses_nothing(model, tmp_path, monkey
             async with backbone_session(Identity.generate(), model, [boot], timeout=60.0, kernel=k) as moe:
                 session.append(moe)
                 await wait_for_hosts(moe, model.layers, 2, 60)
+                await async_until(lambda: victim_id in moe.router.health, timeout=60)  # vetted (pinged), not only announced
                 moe.router.health[victim_id].rtt_ms = 0.0  # the victim takes the first dispatch
                 bb = Backbone(model, k)
                 out = await asyncio.to_thread(lambda: [t for t, _ in generate(bb, ids, N_TOKENS, moe.hook)])
