@@ -182,8 +182,8 @@ def bootstrap_target(addr: str) -> tuple[str, int, PeerId]:
 async def probe_bootstrap(addr: str, timeout: float = BOOTSTRAP_WAIT, *, backoff: Backoff = PROBE_BACKOFF) -> None:
     """Check that *addr* is a running bootstrap with the peer id it names, before a node spends time loading a model.
 
-    TCP connects are retried with *backoff* for *timeout* seconds (a swarm whose nodes start together), then
-    :class:`BootstrapUnreachable`; a peer that answers but fails the Noise handshake for the named id is
+    TCP connects, and handshakes that time out (a busy bootstrap), are retried with *backoff* for *timeout* seconds
+    (a swarm whose nodes start together), then :class:`BootstrapUnreachable`; a peer that answers but fails the Noise handshake for the named id is
     :class:`BootstrapError` at once (another key, or another program on that port: waiting will not change it).
     The handshake runs a throwaway libp2p host in its own trio run (a worker thread), not this node's key.
     """
@@ -191,29 +191,32 @@ async def probe_bootstrap(addr: str, timeout: float = BOOTSTRAP_WAIT, *, backoff
     loop = asyncio.get_running_loop()
     deadline, attempt = loop.time() + timeout, 0
     while True:
-        try:
-            async with asyncio.timeout(max(0.1, min(CONNECT_TIMEOUT, deadline - loop.time()))):
-                _, writer = await asyncio.open_connection(host, port)
-            writer.close()
-            break
-        except (OSError, TimeoutError) as exc:
-            reason = os.strerror(exc.errno).lower() if isinstance(exc, OSError) and exc.errno else f"no answer within {CONNECT_TIMEOUT:.0f} s"
+        reason = await _tcp_reason(host, port, deadline - loop.time())
+        if reason is None:
+            outcome = await asyncio.to_thread(trio.run, _handshake, addr)
+            if outcome == "ok":
+                return
+            if outcome == "refused":
+                raise BootstrapError(f"bootstrap {addr} answers on TCP {host}:{port}, but not as peer {peer}: use the address that bootstrap prints ('join with: --bootstrap ...'); its /p2p/ part names its key, which changes with its --data-dir")
+            # A busy bootstrap (or a loaded machine) may take longer than CONNECT_TIMEOUT: that is not a wrong key.
+            reason = f"it accepts TCP but did not finish the libp2p handshake within {CONNECT_TIMEOUT:.0f} s"
         delay = backoff.delay(attempt)
         if loop.time() + delay > deadline:
             raise BootstrapUnreachable(f"bootstrap {addr} is unreachable ({reason}, retried for {timeout:.0f} s): check that it runs and that TCP {host}:{port} is reachable from here (firewall, address)")
         (log.info if attempt == 0 else log.debug)("dht.bootstrap_retry", addr=addr, reason=reason, retry_in=round(delay, 1), gives_up_in=round(deadline - loop.time(), 1))
         await asyncio.sleep(delay)
         attempt += 1
-    while (outcome := await asyncio.to_thread(trio.run, _handshake, addr)) == "slow":
-        # A busy bootstrap (or a loaded machine) may take longer than CONNECT_TIMEOUT: that is not a wrong key.
-        delay = backoff.delay(attempt)
-        if loop.time() + delay > deadline:
-            raise BootstrapUnreachable(f"bootstrap {addr} accepts TCP on {host}:{port} but did not finish the libp2p handshake within {CONNECT_TIMEOUT:.0f} s (retried for {timeout:.0f} s): it may be overloaded; check that it runs")
-        log.info("dht.bootstrap_retry", addr=addr, reason="handshake timed out", retry_in=round(delay, 1), gives_up_in=round(deadline - loop.time(), 1))
-        await asyncio.sleep(delay)
-        attempt += 1
-    if outcome != "ok":
-        raise BootstrapError(f"bootstrap {addr} answers on TCP {host}:{port}, but not as peer {peer}: use the address that bootstrap prints ('join with: --bootstrap ...'); its /p2p/ part names its key, which changes with its --data-dir")
+
+
+async def _tcp_reason(host: str, port: int, left: float) -> str | None:
+    """Why a TCP connect to host:port failed within min(CONNECT_TIMEOUT, *left*) seconds (None: it connected)."""
+    try:
+        async with asyncio.timeout(max(0.1, min(CONNECT_TIMEOUT, left))):
+            _, writer = await asyncio.open_connection(host, port)
+        writer.close()
+        return None
+    except (OSError, TimeoutError) as exc:
+        return os.strerror(exc.errno).lower() if isinstance(exc, OSError) and exc.errno else f"no answer within {CONNECT_TIMEOUT:.0f} s"
 
 
 async def _handshake(addr: str) -> str:
