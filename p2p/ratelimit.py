@@ -37,6 +37,13 @@ class TokenBucket:
         self.tokens -= n
         return True
 
+    def borrow(self, n: float, now: float) -> float:
+        """Refill to ``now``, then spend ``n`` tokens, going into debt if need be (so a cost larger than the burst
+        still goes, later); the seconds until that debt is paid (0: none)."""
+        self.refill(now)
+        self.tokens -= n
+        return max(0.0, -self.tokens / self.rate)
+
 
 class RateLimiter:
     """Token buckets by key (``rate`` per second, up to ``burst``), at most ``max_keys`` remembered (LRU)."""

@@ -45,14 +45,6 @@ class SliceBusy(wire.ProtocolError):
     error_code = wire.ErrorCode.OVERLOADED
 
 
-def _wait_for(bucket: TokenBucket, n: int, now: float) -> float:
-    """Spend *n* tokens now, going into debt if need be (a piece larger than the burst still goes, later); the
-    seconds until that debt is paid (0: none)."""
-    bucket.refill(now)
-    bucket.tokens -= n
-    return max(0.0, -bucket.tokens / bucket.rate)
-
-
 class SliceServer:
     """Answers SliceInfoRequest and PieceRequest for the hosted (layers x experts) of *model* (a full model or a slice)."""
 
@@ -105,7 +97,7 @@ class SliceServer:
             self._peers[peer] = bucket  # most recent last: past MAX_PEERS the least recent is forgotten
             if len(self._peers) > MAX_PEERS:
                 del self._peers[next(iter(self._peers))]
-            delay = max(_wait_for(bucket, length, now), _wait_for(self._global, length, now))
+            delay = max(bucket.borrow(length, now), self._global.borrow(length, now))
             if delay:
                 await asyncio.sleep(delay)
             rows = self.model.expert_rows(req.name, req.expert)
