@@ -157,6 +157,15 @@ class KVCache:
     def n_past(self) -> int:
         return self.k[0].shape[0] if self.k else 0
 
+    def extend(self, i: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Append layer *i*'s keys and values of the new positions (layers are filled in order, one pass each)."""
+        if len(self.k) <= i:
+            self.k.append(k)
+            self.v.append(v)
+        else:
+            self.k[i] = np.concatenate([self.k[i], k])
+            self.v[i] = np.concatenate([self.v[i], v])
+
     def truncate(self, n: int) -> None:
         """Forget positions >= n (rejected speculative tokens)."""
         self.k = [k[:n] for k in self.k]
@@ -322,12 +331,7 @@ class Backbone:
                 q, k = rms_norm(q, one, cfg.rms_eps), rms_norm(k, one, cfg.rms_eps)
         elif self.spec.attn_temp is not None:
             q = q * attn_temperature(pos, self.spec.attn_temp)[:, None, None]
-        if len(cache.k) <= i:
-            cache.k.append(k)
-            cache.v.append(v)
-        else:
-            cache.k[i] = np.concatenate([cache.k[i], k])
-            cache.v[i] = np.concatenate([cache.v[i], v])
+        cache.extend(i, k, v)
         rep = cfg.n_head // cfg.n_head_kv
         scale = np.float32(1.0 / np.sqrt(hd))
         out = np.empty((n, cfg.n_head, hd), dtype=np.float32)
@@ -357,12 +361,7 @@ class Backbone:
         q_abs = np.stack([A.k_b[j](np.ascontiguousarray(q[:, j, :nope])) for j in range(heads)], axis=1)
         queries = np.concatenate([q_abs, q_pe], axis=-1)  # (n, heads, lat + rope)
         rows = np.concatenate([rms_norm(kv[:, :lat], A.kv_a_norm, eps), k_pe], axis=-1)  # (n, lat + rope): what is cached
-        if len(cache.k) <= i:
-            cache.k.append(rows)
-            cache.v.append(np.empty((n, 0), dtype=np.float32))
-        else:
-            cache.k[i] = np.concatenate([cache.k[i], rows])
-            cache.v[i] = np.empty((cache.k[i].shape[0], 0), dtype=np.float32)
+        cache.extend(i, rows, np.empty((n, 0), dtype=np.float32))
         mscale = np.float32(self.yarn.attn_mscale if self.yarn else 1.0)
         scale = mscale * mscale / np.sqrt(np.float32(cfg.head_dim))
         latent = np.empty((n, heads, lat), dtype=np.float32)
