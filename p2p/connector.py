@@ -11,6 +11,7 @@ actually used (``Path.DIRECT`` for a dialled address or a punched connection, ``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,6 +29,8 @@ Address = tuple[str, int]
 
 class RelayClientLike(RelayLink, Protocol):
     """What the connector needs of ``relay.client.RelayClient``."""
+
+    on_connected: Callable[[], None] | None
 
     def start(self) -> None: ...
 
@@ -68,6 +71,9 @@ class Connector:
         self._relay_route = relay_route
         self._nat = nat  # punches relayed peers to direct paths (None: stay on the relay)
         self._routes: dict[str, RelayRoute] = {}  # relay URL -> our route through it
+        # Called with a relay's URL each time our link to it is (re)established: requests that failed while it was
+        # down failed on our side, and whoever keeps score of the hosts behind that relay should know.
+        self.relay_listeners: list[Callable[[str], None]] = []
 
     @property
     def peer_id(self) -> PeerId:
@@ -89,6 +95,7 @@ class Connector:
             if self._relay_route is None:
                 raise Unreachable(f"{peer} is reachable only through relay {relay.url}, and this node has no relay support")
             route = self._routes[relay.url] = self._relay_route(relay.url, relay.peer_id)
+            route.client.on_connected = functools.partial(self._relay_connected, relay.url)
             if self._nat is not None:  # punch peers behind the first relay to direct paths (one path manager per socket)
                 self._nat.attach_relay(route.client, initiate=True)
             route.client.start()
@@ -102,6 +109,10 @@ class Connector:
             # runs, after a success, or during the peer's backoff.
             self._nat.manager.upgrade(peer)
         return route.address(peer)
+
+    def _relay_connected(self, url: str) -> None:
+        for listener in self.relay_listeners:
+            listener(url)
 
     async def close(self) -> None:
         """Stop punching and close every relay client this connector opened."""

@@ -123,6 +123,7 @@ class RelayClient:
         *,
         on_packet: PacketHandler | None = None,
         on_peer_gone: Callable[[PeerId], None] | None = None,
+        on_connected: Callable[[], None] | None = None,
         expected_relay: PeerId | None = None,
         tls: ssl.SSLContext | None = None,
         buffer_packets: int = 512,
@@ -136,6 +137,7 @@ class RelayClient:
         self.url = url
         self.on_packet = on_packet
         self.on_peer_gone = on_peer_gone
+        self.on_connected = on_connected  # after every accepted connection, reconnections included
         self.expected_relay = expected_relay
         self.relay_peer: PeerId | None = None
         self.sent = 0
@@ -305,6 +307,11 @@ class RelayClient:
             self._connected.set()
             self._wakeup.set()
             log.info("relay.connected", url=self.url, relay=str(event.peer), peer=str(self.peer_id))
+            if self.on_connected is not None:
+                try:
+                    self.on_connected()
+                except Exception:  # as for on_packet: a consumer's bug must not cut the link
+                    log.exception("relay.on_connected_failed", url=self.url)
         elif isinstance(event, PeerDeparted):
             if self.on_peer_gone is not None:
                 self.on_peer_gone(event.peer)

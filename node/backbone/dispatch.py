@@ -211,6 +211,7 @@ class RemoteMoE:
         self.codec = codec
         self.timeout = timeout
         self.router = Router(n_expert, max_price=max_price)
+        connector.relay_listeners.append(self._relay_restored)
         self.stats = DispatchStats()
         self.receipts: deque[Receipt] = deque(maxlen=KEEP_RECENT)  # recent; the ledger holds them all
         self.disputes: deque[Dispute] = deque(maxlen=KEEP_RECENT)
@@ -394,6 +395,10 @@ class RemoteMoE:
         log.warning("dispatch.probe_failed" if probe else "dispatch.failed", peer=str(host.peer_id), layer=layer, reason=str(exc), benched_s=next_probe_s)
         if health.demoted and not was_demoted:
             log.warning("route.demoted", peer=str(host.peer_id), timeouts=health.timeouts, demotions=health.demotions, next_probe_s=next_probe_s)
+
+    def _relay_restored(self, url: str) -> None:
+        if peers := self.router.relay_restored(url, time.monotonic()):
+            log.info("route.relay_restored", url=url, probing=[str(p) for p in peers])
 
     def _background(self, job: Coroutine) -> None:
         self._keep(asyncio.ensure_future(job))

@@ -14,12 +14,19 @@ state       how it gets there                           what dispatch does with 
 ==========  ==========================================  ==========================================
 ready       never failed, or its last answer was good   asked, best expected wait first
 benched     failed (error or timeout); BENCH backoff    not asked; probed in the background once
-            per consecutive failure                     the bench ends (success -> ready)
+            per consecutive failure                     the bench ends (success -> ready), or at
+                                                        once when our link to its relay is back
 demoted     DEMOTE_AFTER consecutive timeouts (one,     not asked; probed every DEMOTED backoff
             once demoted before)                        (success -> ready, but the next timeout
-                                                        demotes it again at a longer interval)
+                                                        demotes it again at a longer interval);
+                                                        benched again when our relay link is back
 banned      a spot check caught it, or it is draining   neither asked nor probed until it ends
 ==========  ==========================================  ==========================================
+
+A relay-only host's failures while *our own* link to its relay was down say nothing about the host: when that
+link is re-established, :meth:`Router.relay_restored` ends their benches and demotions, so the next dispatch
+probes them instead of leaving them out for a backoff that grew during our outage (a proxy restart cuts the
+backbone's link and the worker's at once).
 
 A probe is a real dispatch of the group in hand, sent alongside the local
 compute that answers it: a host cannot tell a probe from work, and its answer
@@ -239,6 +246,18 @@ class Router:
         h.inflight -= 1
         h.probing = False
         h.banned_until = max(h.banned_until, now + LEAVING_S)
+
+    def relay_restored(self, url: str, now: float) -> list[PeerId]:
+        """Our link to relay *url* is back: its relay-only hosts that failed are probed at the next dispatch
+        (still not asked before a probe answers; banned hosts stay banned). Returns those hosts."""
+        behind = {h.peer_id for route in self.routes.values() for group in route.hosts for h in group if h.addr is None and h.relay is not None and h.relay.url == url}
+        restored = []
+        for peer in sorted(behind, key=str):
+            h = self.health[peer]
+            if h.failures and h.banned_until <= now:
+                h.benched_until, h.timeouts, h.demoted = now, 0, False
+                restored.append(peer)
+        return restored
 
     def failed(self, peer: PeerId, now: float, *, timed_out: bool = False) -> float:
         """Bench the host (demote it after ``DEMOTE_AFTER`` consecutive timeouts); returns the seconds to its next probe."""

@@ -21,12 +21,13 @@ from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.tokenizer import Tokenizer
+from node.backbone.dispatch import RemoteMoE
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
-from p2p.identity import Identity
+from p2p.identity import Identity, PeerId
 from relay.client import RelaySettings
 from relay.server import RelayServer
-from tests.support import async_until, log_offset, moeswarm, run_bounded, wait_for_log
+from tests.support import async_until, log_offset, moeswarm, run_bounded, until, wait_for_log
 from tests.support.engine import generate_off_loop, kernel, local_engine
 from tests.support.tlsproxy import NginxProxy, PrivateCA, free_port, nginx_binary
 
@@ -102,6 +103,7 @@ def test_worker_and_backbone_through_the_proxy_survive_its_restart(swarm):
     ids = Tokenizer.from_spec(model.tokenizer_spec).encode(PROMPT)
     backbone_id = Identity.generate()
     marks: dict[str, float] = {}
+    session: dict[str, RemoteMoE] = {}
 
     def chaos(i: int) -> None:
         if i == 8:
@@ -116,10 +118,14 @@ def test_worker_and_backbone_through_the_proxy_survive_its_restart(swarm):
             marks["back"] = time.monotonic()
             for peer in (swarm["worker"]["peer_id"], str(backbone_id.peer_id)):
                 wait_for_log(relay.log_file, "relay.client_connected", f"peer={peer}", since=since, timeout=60)
+        elif i == 20:  # our link back ended the worker's bench (Router.relay_restored): token 14 sent it a probe
+            health = session["moe"].router.health[PeerId.from_string(swarm["worker"]["peer_id"])]
+            until(lambda: health.state(time.monotonic()) == "ready", timeout=30, what="the worker ready again after the proxy restart")
 
     async def run():
         bb = Backbone(model, kernel())
-        async with backbone_session(backbone_id, model, [swarm["boot"]], timeout=1.0, relay=RelaySettings(ca_file=swarm["ca"].ca), kernel=bb.kernel) as moe:
+        async with backbone_session(backbone_id, model, [swarm["boot"]], timeout=2.0, relay=RelaySettings(ca_file=swarm["ca"].ca), kernel=bb.kernel) as moe:
+            session["moe"] = moe
             await wait_for_hosts(moe, model.layers, 1, 60)
             return await generate_off_loop(bb, moe.hook, ids, n, chaos), moe
 
@@ -129,7 +135,9 @@ def test_worker_and_backbone_through_the_proxy_survive_its_restart(swarm):
     recs = moe.stats.records
     assert recs and all(r.path == "relay" for r in recs)
     assert all(r.ok for r in recs if r.at < marks["stopped"]), "a dispatch failed before the proxy went away"
-    assert any(r.ok and r.at > marks["back"] for r in recs), "the worker never served through the restarted proxy"
+    after = [(round(r.at - marks["back"], 3), r.ok, r.probe, r.timed_out) for r in recs if r.at > marks["back"]]
+    events = [(e["event"], e.get("reason"), e.get("benched_s")) for e in logs if e["event"].startswith(("dispatch.", "route.", "relay."))]
+    assert any(r.ok and r.at > marks["back"] for r in recs), f"the worker never served through the restarted proxy: dispatches after it {after}, events {events}"
     lost = [e for e in logs if e["event"] == "relay.disconnected" and e.get("peer") == str(backbone_id.peer_id)]
     assert lost and lost[0]["reason"].startswith("connection lost without a close from the relay"), lost
 

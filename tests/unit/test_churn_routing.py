@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +16,7 @@ from node.backbone.routing import DEADLINE_FLOOR_S, DEADLINE_K, DEADLINE_MARGIN_
 from node.cli import options
 from p2p.discovery import InMemoryBoard, InMemoryDiscovery
 from p2p.identity import Identity
-from p2p.records import HostedSlice, HostRecord
+from p2p.records import HostedSlice, HostRecord, RelayAddress
 from tests.support import async_until
 
 DIGEST = "ab" * 32
@@ -98,6 +99,32 @@ def test_consecutive_timeouts_demote_a_host_for_long_probe_intervals():
     assert router.health[a.peer_id].state(now + 61.0) == "demoted" and router.health[a.peer_id].demotions == 2
 
 
+def test_our_relay_link_back_ends_the_benches_and_demotions_of_the_hosts_behind_it():
+    """Hosts reached only through relay R that failed while our link to R was down are probed at the next dispatch
+    once that link is back (not asked before a probe answers); a direct host, a host behind another relay and a
+    banned host keep their state."""
+    relayed, demoted, elsewhere, direct, banned = (Identity.generate() for _ in range(5))
+
+    def via(ident: Identity, url: str) -> HostRecord:
+        return HostRecord(ident.peer_id, HostedSlice(DIGEST, 0, ((0, 8),), relay=RelayAddress(url, Identity.generate().peer_id)), 1000, 2000, 1)
+
+    router = Router(n_expert=8)
+    route = router.update(0, [via(relayed, "wss://r/relay"), via(demoted, "wss://r/relay"), via(elsewhere, "wss://q/relay"), via(banned, "wss://r/relay"), record(direct, [(0, 8)], 1)])
+    for ident in (relayed, elsewhere, direct, banned):
+        router.started(ident.peer_id)
+        router.failed(ident.peer_id, now=0.0)
+    for _ in range(DEMOTE_AFTER):
+        timed_out(router, demoted.peer_id, now=0.0)
+    router.ban(banned.peer_id, now=0.0, seconds=100.0)
+    assert router.health[demoted.peer_id].state(0.0) == "demoted" and router.plan(route, 0, now=0.5) == routing.Plan((), ())
+    assert router.relay_restored("wss://r/relay", now=0.5) == sorted([relayed.peer_id, demoted.peer_id], key=str)
+    plan = router.plan(route, 0, now=0.5)
+    assert plan.ask == () and set(peers(plan.probe)) == {relayed.peer_id, demoted.peer_id}
+    assert router.health[demoted.peer_id].state(0.5) == "benched"
+    assert router.relay_restored("wss://q/relay", now=0.6) == [elsewhere.peer_id]
+    assert router.health[direct.peer_id].benched_until == 1.0 and router.health[banned.peer_id].state(0.6) == "banned"
+
+
 def test_deadline_follows_the_measured_round_trip_within_floor_and_cap():
     """An unmeasured host gets the configured timeout; a measured one K x (RTT + tokens x compute) + margin, at least
     the floor, at most the configured timeout."""
@@ -143,7 +170,7 @@ def test_maintain_picks_up_a_host_announced_later():
         n = model.cfg.n_expert
         await InMemoryDiscovery(first, board).announce([HostedSlice(model.digest, layer, ((0, n // 2),), quic_addr="127.0.0.1:1")])
         cfg = model.cfg
-        moe = RemoteMoE(None, InMemoryDiscovery(me, board), model.digest, cfg.n_embd, cfg.n_ff_exp, n, ExpertStore(model), loop=asyncio.get_running_loop())  # type: ignore[arg-type]  # never dispatches
+        moe = RemoteMoE(SimpleNamespace(relay_listeners=[]), InMemoryDiscovery(me, board), model.digest, cfg.n_embd, cfg.n_ff_exp, n, ExpertStore(model), loop=asyncio.get_running_loop())  # type: ignore[arg-type]  # never dispatches
         await moe.refresh([layer])
         assert moe.router.routes[layer].peers() == {first.peer_id}
         task = asyncio.create_task(moe.maintain([layer], interval=0.05))
