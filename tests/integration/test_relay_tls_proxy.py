@@ -118,7 +118,7 @@ def test_worker_and_backbone_through_the_proxy_survive_its_restart(swarm):
             marks["back"] = time.monotonic()
             for peer in (swarm["worker"]["peer_id"], str(backbone_id.peer_id)):
                 wait_for_log(relay.log_file, "relay.client_connected", f"peer={peer}", since=since, timeout=60)
-        elif i == 20:  # our link back ended the worker's bench (Router.relay_restored): token 14 sent it a probe
+        elif i == 20:  # token 14 probed the worker: our link back ended its bench (Router.relay_restored), however long it had grown
             health = session["moe"].router.health[PeerId.from_string(swarm["worker"]["peer_id"])]
             until(lambda: health.state(time.monotonic()) == "ready", timeout=30, what="the worker ready again after the proxy restart")
 
