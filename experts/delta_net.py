@@ -157,3 +157,21 @@ def scan(cfg: ModelConfig, conv: np.ndarray, rows: np.ndarray, start: int, stop:
         if (start + t + 1) % CHECKPOINT_EVERY == 0:
             kept[start + t + 1] = state
     return out, state, kept
+
+
+def advance(cfg: ModelConfig, conv: np.ndarray, rows: np.ndarray, kept: dict[int, np.ndarray], start: int, n: int) -> np.ndarray:
+    """Outputs of positions start..start+n-1 over the layer's cached *rows*, the layer's checkpoints *kept* updated:
+    the state is brought to *start* from the latest checkpoint at or before it (recomputed after a rollback), then
+    run; kept are the multiples of :data:`CHECKPOINT_EVERY` and the ends of the last two calls (a rejected draft
+    resumes from the earlier one)."""
+    c = max((p for p in kept if p <= start), default=0)
+    state = kept[c] if c else np.zeros((cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_state), dtype=np.float32)
+    if c < start:
+        _, state, more = scan(cfg, conv, rows, c, start, state)
+        kept.update(more)
+    out, end, more = scan(cfg, conv, rows, start, start + n, state)
+    kept.update(more)
+    kept[start], kept[start + n] = state, end
+    for p in [p for p in kept if p % CHECKPOINT_EVERY and p not in (start, start + n)]:
+        del kept[p]
+    return out

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arch import QKNorm, RopeStyle, SharedExpert
-from .delta_net import CHECKPOINT_EVERY, DeltaNet, scan, sigmoid
+from .delta_net import DeltaNet, advance, sigmoid
 from .dense_weights import FFN, DenseLinear, DenseWeights, Linear, PackedWeights, mm, weights_for
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
@@ -374,23 +374,10 @@ class Backbone:
         return y if L.bo is None else y + L.bo
 
     def linear_attention(self, i: int, G: DeltaNet, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
-        """A gated delta-net layer: its inputs join the cache, its state is brought to the first new position from
-        the latest checkpoint at or before it (recomputed after a rollback), then run token by token."""
-        cfg, start, n = self.cfg, int(pos[0]), h.shape[0]
-        rows, z = G.inputs(cfg, h)
-        cache.extend(i, rows, np.empty((n, 0), dtype=np.float32))
-        kept = cache.states.setdefault(i, {})
-        c = max((p for p in kept if p <= start), default=0)
-        state = kept[c] if c else np.zeros((cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_state), dtype=np.float32)
-        if c < start:
-            _, state, more = scan(cfg, G.conv, cache.k[i], c, start, state)
-            kept.update(more)
-        out, end, more = scan(cfg, G.conv, cache.k[i], start, start + n, state)
-        kept.update(more)
-        kept[start], kept[start + n] = state, end  # the last two calls' ends (a rejected draft resumes from one)
-        for p in [p for p in kept if p % CHECKPOINT_EVERY and p not in (start, start + n)]:
-            del kept[p]
-        return G.output(cfg, out, z)
+        """A gated delta-net layer: its per-position inputs join the cache, then the recurrence runs over them."""
+        rows, z = G.inputs(self.cfg, h)
+        cache.extend(i, rows, np.empty((h.shape[0], 0), dtype=np.float32))
+        return G.output(self.cfg, advance(self.cfg, G.conv, cache.k[i], cache.states.setdefault(i, {}), int(pos[0]), h.shape[0]), z)
 
     def latent_attention(self, i: int, A: MLA, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
         """deepseek2's attention as llama.cpp's absorbed graph: scores over ``[c, k_pe]`` rows, one query row at a
