@@ -105,6 +105,16 @@ class ModelConfig:
         """Channels of the causal conv: q, k (n_k heads each) and v (n_v heads), in that order."""
         return 2 * self.gdn_key_dim + self.gdn_value_dim
 
+    @property
+    def gdn_row_floats(self) -> int:
+        """Floats a gated delta-net layer caches per position (its conv input, beta and g: experts.delta_net)."""
+        return self.gdn_conv_dim + 2 * self.ssm_v_heads
+
+    @property
+    def gdn_state_floats(self) -> int:
+        """Floats of one checkpoint of a gated delta-net layer's matrix state (n_v heads of S x S)."""
+        return self.ssm_v_heads * self.ssm_state * self.ssm_state
+
     def is_recurrent(self, layer: int) -> bool:
         """Whether *layer* is a gated delta-net layer (MTP blocks past n_layer never are, as in llama.cpp)."""
         return layer < len(self.layer_kinds) and self.layer_kinds[layer] == "r"
