@@ -4,7 +4,7 @@ Every matmul is batch invariant (see :mod:`experts.moe`): a token's logits are t
 bits whether it is decoded alone, verified in a speculative draft or batched with other
 sequences, which is what makes those optimisations exactly output-preserving.
 
-Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / llama4 / deepseek2 (and the extras in experts/arch.py): the per-arch
+Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / llama4 / deepseek2 / qwen3next / qwen35moe (and the extras in experts/arch.py; the gated delta-net layers in experts/delta_net.py): the per-arch
 differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
 thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> Future[routed_sum]``
 (llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe` through
