@@ -100,6 +100,13 @@ class ArchSpec:
     nope_period: int = 0  # > 0: layer i has no RoPE (and no q/k norm) iff (i + 1) % nope_period == 0
     attn_temp: tuple[float, float, float] | None = None  # NoPE layers scale q by log(floor((pos + offset) / floor_) + 1) * scale + 1: (floor_, scale, offset)
     kq_norm_off_at: int = 0  # no q/k norm for models with this many experts (llama.cpp: use_kq_norm false for 17B_128E)
+    # qwen3next / qwen35moe (src/models/qwen3next.cpp, qwen35moe.cpp, delta-net-base.cpp): recurrent layers are gated
+    # delta-net linear attention (experts/delta_net.py), the others full attention with a fused Q+gate projection (per
+    # head [q, gate]) whose sigmoid gates the attention output; the ssm.* keys are required.
+    delta_net: bool = False
+    gdn_tiled_v: bool = False  # V heads stored tiled (v head j reads k head j % n_k), not grouped (j // (n_v / n_k))
+    gdn_split_ba: bool = False  # ssm_beta + ssm_alpha (n_v, n_embd) each, not one ssm_ba of per-k-head [beta, alpha] rows
+    gdn_ssm_in: bool = False  # a legacy ssm_in (per k head [q, k, v, z]) may replace attn_qkv + attn_gate
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -328,6 +335,40 @@ ARCHS: dict[str, ArchSpec] = {
         attn_temp=(8192.0, 0.1, 1.0),
         kq_norm_off_at=128,
         optional_tensors=("rope_freqs.weight",),
+    ),
+    # src/models/qwen3next.cpp (Qwen3-Next-80B-A3B): gated delta-net on 3 of 4 layers, gated full attention with
+    # per-head q/k norm and partial NEOX RoPE on the others; softmax router with renorm hard-coded, sigmoid-gated shared
+    # expert; the FFN pre-norm is post_attention_norm; an MTP block counted in block_count is never run.
+    "qwen3next": ArchSpec(
+        name="qwen3next",
+        rope=RopeStyle.NEOX,
+        norm_topk=True,
+        shared_expert=SharedExpert.SIGMOID_GATED,
+        qk_norm=QKNorm.PER_HEAD,
+        qkv_bias=False,
+        tied_output_allowed=True,
+        n_ff_exp_key="expert_feed_forward_length",
+        ffn_norm="post_attention_norm",
+        delta_net=True,
+        gdn_ssm_in=True,
+    ),
+    # src/models/qwen35moe.cpp (Qwen3.5-35B-A3B / 122B-A10B / 397B-A17B, Qwen3.6 MoE): qwen3next with separate
+    # ssm_beta / ssm_alpha, tiled V heads, no legacy ssm_in, and IMROPE (NEOX for text positions: the sections key is
+    # required but changes nothing in a text forward).
+    "qwen35moe": ArchSpec(
+        name="qwen35moe",
+        rope=RopeStyle.NEOX,
+        norm_topk=True,
+        shared_expert=SharedExpert.SIGMOID_GATED,
+        qk_norm=QKNorm.PER_HEAD,
+        qkv_bias=False,
+        tied_output_allowed=True,
+        n_ff_exp_key="expert_feed_forward_length",
+        ffn_norm="post_attention_norm",
+        fixed_keys=(("rope.dimension_sections", None),),
+        delta_net=True,
+        gdn_tiled_v=True,
+        gdn_split_ba=True,
     ),
 }
 

@@ -52,6 +52,13 @@ class ModelConfig:
     mla_kv_b: bool = field(default=False, metadata=_LATER)  # the legacy layout: one attn_kv_b, not attn_k_b/attn_v_b
     yarn_log_mul: float = field(default=0.0, metadata=_LATER)  # rope.scaling.yarn_log_multiplier / 0.1 (mscale_all_dim)
     moe_step: int = field(default=0, metadata=_LATER)  # interleave_moe_layer_step: layer i has experts iff (i + 1) % step == 0; 0: every layer
+    # Gated delta-net (ArchSpec.delta_net): the ssm.* keys, and one letter per layer, "r" recurrent (linear attention)
+    # or "a" full attention (attention.recurrent_layers, or full_attention_interval: recurrent iff (i + 1) % interval).
+    ssm_conv: int = field(default=0, metadata=_LATER)  # ssm.conv_kernel: causal conv width (the state keeps conv - 1 inputs)
+    ssm_state: int = field(default=0, metadata=_LATER)  # ssm.state_size: the key (and value) head width S
+    ssm_k_heads: int = field(default=0, metadata=_LATER)  # ssm.group_count
+    ssm_v_heads: int = field(default=0, metadata=_LATER)  # ssm.time_step_rank (ssm.inner_size = S * this)
+    layer_kinds: str = field(default="", metadata=_LATER)
 
     @property
     def spec(self) -> ArchSpec:
@@ -84,6 +91,33 @@ class ModelConfig:
         """Floats the KV cache holds per token per layer: the latent and the roped key part under MLA (576 for
         DeepSeek-V3, in both file layouts), else a key and a value per KV head."""
         return self.kv_lora_rank + self.rope_dim if self.kv_lora_rank else 2 * self.kv_dim
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.ssm_state * self.ssm_k_heads
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.ssm_state * self.ssm_v_heads
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """Channels of the causal conv: q, k (n_k heads each) and v (n_v heads), in that order."""
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @property
+    def gdn_row_floats(self) -> int:
+        """Floats a gated delta-net layer caches per position (its conv input, beta and g: experts.delta_net)."""
+        return self.gdn_conv_dim + 2 * self.ssm_v_heads
+
+    @property
+    def gdn_state_floats(self) -> int:
+        """Floats of one checkpoint of a gated delta-net layer's matrix state (n_v heads of S x S)."""
+        return self.ssm_v_heads * self.ssm_state * self.ssm_state
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether *layer* is a gated delta-net layer (MTP blocks past n_layer never are, as in llama.cpp)."""
+        return layer < len(self.layer_kinds) and self.layer_kinds[layer] == "r"
 
     def is_moe(self, layer: int) -> bool:
         """Whether *layer* routes to experts (else it has a dense FFN and nothing to dispatch)."""

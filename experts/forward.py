@@ -4,7 +4,7 @@ Every matmul is batch invariant (see :mod:`experts.moe`): a token's logits are t
 bits whether it is decoded alone, verified in a speculative draft or batched with other
 sequences, which is what makes those optimisations exactly output-preserving.
 
-Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / llama4 / deepseek2 (and the extras in experts/arch.py): the per-arch
+Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / llama4 / deepseek2 / qwen3next / qwen35moe (and the extras in experts/arch.py; the gated delta-net layers in experts/delta_net.py): the per-arch
 differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
 thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> Future[routed_sum]``
 (llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe` through
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arch import QKNorm, RopeStyle, SharedExpert
+from .delta_net import DeltaNet, advance, sigmoid
 from .dense_weights import FFN, DenseLinear, DenseWeights, Linear, PackedWeights, mm, weights_for
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
@@ -147,11 +148,14 @@ class KVCache:
     """Per-layer keys/values of the positions seen so far (float32, as llama.cpp with type_k/v=F32).
 
     An MLA layer keeps one row per position, its latent then its roped key part (``cfg.kv_cache_floats``: 576
-    for DeepSeek-V3); its values are the latent columns of those rows, so its ``v`` is zero-width.
+    for DeepSeek-V3); its values are the latent columns of those rows, so its ``v`` is zero-width. A gated delta-net
+    layer keeps its recurrence's inputs per position as its ``k`` (zero-width ``v``) and checkpoints of its matrix
+    state in ``states`` (:mod:`experts.delta_net`), so cutting positions off stays a slice.
     """
 
     k: list[np.ndarray] = field(default_factory=list)
     v: list[np.ndarray] = field(default_factory=list)
+    states: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # recurrent layer -> {position: state after it}
 
     @property
     def n_past(self) -> int:
@@ -170,6 +174,17 @@ class KVCache:
         """Forget positions >= n (rejected speculative tokens)."""
         self.k = [k[:n] for k in self.k]
         self.v = [v[:n] for v in self.v]
+        self.states = {i: {p: s for p, s in st.items() if p <= n} for i, st in self.states.items()}
+
+    def prefix(self, n: int, copy: bool = False) -> KVCache:
+        """A cache of the first *n* positions: views of these arrays (the forward replaces arrays, never writes into
+        them), or with *copy* compact copies that keep nothing else alive."""
+        own = np.array if copy else (lambda a: a)
+        return KVCache([own(k[:n]) for k in self.k], [own(v[:n]) for v in self.v], {i: {p: s for p, s in st.items() if p <= n} for i, st in self.states.items()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k + self.v) + sum(s.nbytes for st in self.states.values() for s in st.values())
 
 
 @dataclass(frozen=True)
@@ -220,7 +235,7 @@ class Layer:
     wq: Linear | None  # None in an MLA layer: its projections are in *mla*
     wk: Linear | None
     wv: Linear | None
-    wo: Linear
+    wo: Linear | None  # None in a gated delta-net layer: its projections are in *gdn*
     bq: np.ndarray | None
     bk: np.ndarray | None
     bv: np.ndarray | None
@@ -235,6 +250,7 @@ class Layer:
     shexp: tuple[np.ndarray | None, FFN] | None  # (sigmoid gate or None for an un-gated one, the expert's gate/up/down)
     ffn: FFN | None  # a dense layer's FFN
     mla: MLA | None = None
+    gdn: DeltaNet | None = None
 
 
 class Backbone:
@@ -267,14 +283,15 @@ class Backbone:
                 gate = d(b + "ffn_gate_inp_shexp.weight") if self.spec.shared_expert is SharedExpert.SIGMOID_GATED else None
                 shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight"))
             mla = MLA.load(model, lin, b) if self.spec.mla else None
-            q, k, v = self._qkv(lin, b) if mla is None else (None, None, None)
+            gdn = DeltaNet.load(model, lin, b) if cfg.is_recurrent(i) else None
+            q, k, v = self._qkv(lin, b) if mla is None and gdn is None else (None, None, None)
             self.layers.append(
                 Layer(
                     attn_norm=d(b + "attn_norm.weight"),
                     wq=q,
                     wk=k,
                     wv=v,
-                    wo=lin.linear(b + "attn_output.weight"),
+                    wo=None if gdn else lin.linear(b + "attn_output.weight"),
                     bq=opt(b + "attn_q.bias"),
                     bk=opt(b + "attn_k.bias"),
                     bv=opt(b + "attn_v.bias"),
@@ -289,6 +306,7 @@ class Backbone:
                     shexp=shexp,
                     ffn=None if moe else lin.ffn(b + "ffn_gate.weight", b + "ffn_up.weight", b + "ffn_down.weight"),
                     mla=mla,
+                    gdn=gdn,
                 )
             )
         self.router_params = cfg.router
@@ -309,9 +327,15 @@ class Backbone:
         cfg, L = self.cfg, self.layers[i]
         if L.mla is not None:
             return self.latent_attention(i, L.mla, h, pos, cache)
-        assert L.wq is not None and L.wk is not None and L.wv is not None, f"layer {i} has no attention projections"
+        if L.gdn is not None:
+            return self.linear_attention(i, L.gdn, h, pos, cache)
+        assert L.wq is not None and L.wk is not None and L.wv is not None and L.wo is not None, f"layer {i} has no attention projections"
         n, hd = h.shape[0], cfg.head_dim
         q, k, v = L.wq(h), L.wk(h), L.wv(h)
+        gate = None
+        if self.spec.delta_net:  # qwen3next's fused Q+gate: per head [q, gate]
+            qg = q.reshape(n, cfg.n_head, 2, hd)
+            q, gate = np.ascontiguousarray(qg[:, :, 0]).reshape(n, cfg.q_dim), np.ascontiguousarray(qg[:, :, 1]).reshape(n, cfg.q_dim)
         if L.bq is not None:
             q, k, v = q + L.bq, k + L.bk, v + L.bv
         whole = self.spec.qk_norm is QKNorm.WHOLE  # norm the flat projection, before the split into heads
@@ -345,8 +369,15 @@ class Backbone:
             V = np.ascontiguousarray(np.repeat(cache.v[i][s0:t], rep, axis=1).transpose(1, 0, 2))  # (heads, t, hd)
             scores = np.matmul(q[r][:, None, :], K) * scale  # (heads, 1, t)
             out[r] = np.matmul(sink_softmax(scores, L.sinks), V)[:, 0, :]
-        y = L.wo(out.reshape(n, cfg.q_dim))
+        flat = out.reshape(n, cfg.q_dim)
+        y = L.wo(flat if gate is None else flat * sigmoid(gate))
         return y if L.bo is None else y + L.bo
+
+    def linear_attention(self, i: int, G: DeltaNet, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
+        """A gated delta-net layer: its per-position inputs join the cache, then the recurrence runs over them."""
+        rows, z = G.inputs(self.cfg, h)
+        cache.extend(i, rows, np.empty((h.shape[0], 0), dtype=np.float32))
+        return G.output(self.cfg, advance(self.cfg, G.conv, cache.k[i], cache.states.setdefault(i, {}), int(pos[0]), h.shape[0]), z)
 
     def latent_attention(self, i: int, A: MLA, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
         """deepseek2's attention as llama.cpp's absorbed graph: scores over ``[c, k_pe]`` rows, one query row at a
@@ -370,7 +401,9 @@ class Backbone:
             p = softmax(np.matmul(queries[r], np.ascontiguousarray(K.T)) * scale)  # (heads, t)
             latent[r] = np.matmul(p, np.ascontiguousarray(K[:, :lat]))
         out = np.stack([A.v_b[j](np.ascontiguousarray(latent[:, j])) for j in range(heads)], axis=1)
-        return self.layers[i].wo(out.reshape(n, heads * cfg.v_head_dim))
+        wo = self.layers[i].wo
+        assert wo is not None
+        return wo(out.reshape(n, heads * cfg.v_head_dim))
 
     def router(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         L = self.layers[i]

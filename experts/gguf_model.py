@@ -21,7 +21,7 @@ import numpy as np
 from .arch import EXPERT_BIASES, EXPERT_TENSORS, FUSED_GATE_UP, MTP_OPTIONAL, Gating, SharedExpert, arch_spec
 from .config import ModelConfig, TokenizerSpec
 from .errors import ModelFormatError, SliceError
-from .model_writer import expected_shapes
+from .model_writer import expected_shapes, gdn_ssm_in_shape
 
 SLICE_PREFIX = "moeswarm.slice."
 
@@ -93,6 +93,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     has_dense = n_dense_lead > 0 or moe_step > 1
     head_dim = int(opt("attention.key_length", n_embd // n_head))
     mla = _read_mla(reader, a, head_dim) if spec.mla else {}
+    gdn = _read_delta_net(reader, a, n_layer) if spec.delta_net else {}
     head_dim = mla.pop("head_dim", head_dim)
     n_rot = int(opt("rope.dimension_count", head_dim))
     gating = None
@@ -160,7 +161,29 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         yarn_orig_ctx=int(opt("rope.scaling.original_context_length", n_ctx)) if yarn else 0,
         **mla,
         moe_step=moe_step,
+        **gdn,
     )
+
+
+def _read_delta_net(reader: gguf.GGUFReader, a: str, n_layer: int) -> dict:
+    """The gated delta-net keys of a qwen3next / qwen35moe file as llama.cpp's ``load_arch_hparams`` reads them (all
+    five ssm.* keys required), and the layer schedule: ``attention.recurrent_layers`` if present, else recurrent iff
+    ``(i + 1) % full_attention_interval != 0`` (default 4)."""
+    ssm = {k: int(_field(reader, a + "ssm." + k)) for k in ("conv_kernel", "inner_size", "state_size", "time_step_rank", "group_count")}
+    state, n_v, n_k = ssm["state_size"], ssm["time_step_rank"], ssm["group_count"]
+    if not (state > 0 and n_k > 0 and n_v % n_k == 0 and ssm["inner_size"] == state * n_v and ssm["conv_kernel"] > 1):
+        raise ModelFormatError(f"{a}ssm.* keys {ssm} do not fit a gated delta-net (llama.cpp needs inner_size = state_size * time_step_rank, time_step_rank a multiple of group_count, conv_kernel > 1)")
+    flags = _field(reader, a + "attention.recurrent_layers", required=False)
+    if flags is not None:
+        if not isinstance(flags, list) or len(flags) < n_layer:
+            raise ModelFormatError(f"{a}attention.recurrent_layers must be one flag per layer ({n_layer} at least)")
+        kinds = "".join("r" if f else "a" for f in flags[:n_layer])
+    else:
+        interval = int(_field(reader, a + "full_attention_interval", required=False, default=4))
+        if interval < 1:
+            raise ModelFormatError(f"{a}full_attention_interval is {interval}; it must be at least 1")
+        kinds = "".join("r" if (i + 1) % interval else "a" for i in range(n_layer))
+    return {"ssm_conv": ssm["conv_kernel"], "ssm_state": state, "ssm_k_heads": n_k, "ssm_v_heads": n_v, "layer_kinds": kinds}
 
 
 def _read_mla(reader: gguf.GGUFReader, a: str, key_length: int) -> dict:
@@ -269,6 +292,11 @@ class GGUFModel:
                 e, ff, d = want.pop(f"blk.{i}.ffn_gate_exps.weight")
                 del want[f"blk.{i}.ffn_up_exps.weight"]
                 want[f"blk.{i}.{FUSED_GATE_UP}.weight"] = (e, 2 * ff, d)
+        if cfg.spec.gdn_ssm_in:
+            for i in range(cfg.n_layer):
+                if cfg.is_recurrent(i) and self.has(f"blk.{i}.ssm_in.weight"):  # qwen3next's legacy input projection
+                    del want[f"blk.{i}.attn_qkv.weight"], want[f"blk.{i}.attn_gate.weight"]
+                    want[f"blk.{i}.ssm_in.weight"] = gdn_ssm_in_shape(cfg)
         if self.is_slice:
             n = len(self.experts)
             want = {name: (n, *want[name][1:]) for i in self.moe_layers for name in self.expert_tensors(i)}

@@ -38,6 +38,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[b + "attn_norm.weight"] = (d,)
         if spec.mla:
             shapes |= mla_shapes(cfg, b)
+        elif cfg.is_recurrent(i):
+            shapes |= delta_net_shapes(cfg, b)
+        elif spec.delta_net:  # gated full attention: per head [q, gate] rows
+            shapes |= {b + "attn_q.weight": (2 * cfg.q_dim, d), b + "attn_k.weight": (cfg.kv_dim, d), b + "attn_v.weight": (cfg.kv_dim, d)}
+            shapes[b + "attn_output.weight"] = (d, cfg.q_dim)
         else:
             if spec.fused_qkv:
                 shapes[b + "attn_qkv.weight"] = (cfg.q_dim + 2 * cfg.kv_dim, d)
@@ -71,7 +76,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[b + "attn_output.bias"] = (d,)
         if spec.attn_sinks:
             shapes[b + "attn_sinks.weight"] = (cfg.n_head,)
-        if spec.qk_norm is QKNorm.PER_HEAD:
+        if spec.qk_norm is QKNorm.PER_HEAD and not cfg.is_recurrent(i):
             shapes |= {b + "attn_q_norm.weight": (cfg.head_dim,), b + "attn_k_norm.weight": (cfg.head_dim,)}
         elif spec.qk_norm is QKNorm.WHOLE:
             shapes |= {b + "attn_q_norm.weight": (cfg.q_dim,), b + "attn_k_norm.weight": (cfg.kv_dim,)}
@@ -111,10 +116,33 @@ def mla_shapes(cfg: ModelConfig, b: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def delta_net_shapes(cfg: ModelConfig, b: str) -> dict[str, tuple[int, ...]]:
+    """One gated delta-net layer's tensors (qwen3next.cpp / qwen35moe.cpp ``load_arch_tensors``), attn_qkv + attn_gate
+    (a qwen3next file may carry the legacy ssm_in instead: :meth:`experts.gguf_model.GGUFModel._check_shapes`)."""
+    d, n_v, value = cfg.n_embd, cfg.ssm_v_heads, cfg.gdn_value_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        b + "attn_qkv.weight": (cfg.gdn_conv_dim, d),
+        b + "attn_gate.weight": (value, d),
+        b + "ssm_conv1d.weight": (cfg.gdn_conv_dim, cfg.ssm_conv),
+        b + "ssm_dt.bias": (n_v,),
+        b + "ssm_a": (n_v,),
+    }
+    if cfg.spec.gdn_split_ba:
+        shapes |= {b + "ssm_beta.weight": (n_v, d), b + "ssm_alpha.weight": (n_v, d)}
+    else:
+        shapes[b + "ssm_ba.weight"] = (2 * n_v, d)
+    return shapes | {b + "ssm_norm.weight": (cfg.ssm_state,), b + "ssm_out.weight": (d, value)}
+
+
+def gdn_ssm_in_shape(cfg: ModelConfig) -> tuple[int, int]:
+    """The legacy ssm_in: per k head [q, k, v, z] rows (qwen3next's ``qkvz_dim``)."""
+    return 2 * cfg.gdn_key_dim + 2 * cfg.gdn_value_dim, cfg.n_embd
+
+
 # Small tensors stay F32 whatever the requested type, as llama.cpp's converter does:
 # norms, biases (the stacked expert biases too) and the router are tiny and precision-sensitive.
 def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) == 1 or name.endswith((".bias", "ffn_gate_inp.weight"))
+    return len(shape) == 1 or name.endswith((".bias", "ffn_gate_inp.weight", "ssm_conv1d.weight"))
 
 
 def imrope_sections(cfg: ModelConfig) -> list[int]:
@@ -193,6 +221,17 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
         if cfg.yarn_factor:
             w.add_rope_scaling_factor(cfg.yarn_factor)
         w.add_rope_scaling_orig_ctx_len(cfg.yarn_orig_ctx)
+    if spec.delta_net:
+        w.add_ssm_conv_kernel(cfg.ssm_conv)
+        w.add_ssm_inner_size(cfg.gdn_value_dim)
+        w.add_ssm_state_size(cfg.ssm_state)
+        w.add_ssm_time_step_rank(cfg.ssm_v_heads)
+        w.add_ssm_group_count(cfg.ssm_k_heads)
+        interval = cfg.layer_kinds.find("a") + 1
+        if interval and cfg.layer_kinds == "".join("r" if (i + 1) % interval else "a" for i in range(cfg.n_layer)):
+            w.add_full_attention_interval(interval)
+        else:  # any other schedule, MTP blocks never recurrent
+            w.add_array(f"{cfg.arch}.attention.recurrent_layers", [k == "r" for k in cfg.layer_kinds] + [False] * cfg.n_nextn)
     for key, only in spec.fixed_keys:
         if only is None and key not in FIXED_KEY_VALUES:
             continue  # one of the keys every model gets (above)

@@ -77,6 +77,11 @@ RANDOM_FEATURES: dict[str, dict] = {
     # llama4: experts on every 2nd layer (dense FFNs between, as Maverick), chunked attention and NoPE layers from
     # the arch row (chunks of 8192 and the temperature only show past position 8190), rope_freqs factors.
     "llama4": {"moe_step": 2},
+    # qwen3next / qwen35moe: full attention every 2nd layer (so 3 layers hold both kinds, a recurrent one after the
+    # attention one), a quarter of the head rotated (as the real models), twice as many V heads as K heads (so grouped
+    # vs tiled matters), a trailing MTP block.
+    "qwen3next": {"n_nextn": 1, "quarter_rope": True, "attn_interval": 2},
+    "qwen35moe": {"n_nextn": 1, "quarter_rope": True, "attn_interval": 2},
 }
 
 
@@ -133,6 +138,11 @@ def random_config(
     moe_step = feat.get("moe_step", 0)
     if n_layer < moe_step:
         raise ModelFormatError(f"{arch} random models have experts on every layer i with (i + 1) % {moe_step} == 0; give at least {moe_step} layers")
+    gdn: dict = {}
+    if spec.delta_net:  # S = head_dim, n_v = n_head, n_k = n_v / 2, conv 4 (Qwen3-Next's kernel)
+        every = feat["attn_interval"]
+        gdn = {"ssm_conv": 4, "ssm_state": head_dim, "ssm_k_heads": max(1, n_head // 2), "ssm_v_heads": n_head,
+               "layer_kinds": "".join("r" if (i + 1) % every else "a" for i in range(n_layer))}
     groups, used = feat.get("groups", (0, 0))
     if not (groups and n_expert % groups == 0 and groups < n_expert and n_expert_used <= used * (n_expert // groups)):
         groups = used = 0  # too few experts for the arch's groups: plain top-k
@@ -155,7 +165,7 @@ def random_config(
         n_nextn=feat.get("n_nextn", 0),
         n_dense_lead=n_dense_lead,
         n_ff_dense=2 * n_ff_exp if n_dense_lead or moe_step > 1 else 0,
-        n_rot=head_dim // 2 if feat.get("half_rope") else head_dim // 3 if spec.mla else 0,
+        n_rot=head_dim // 2 if feat.get("half_rope") else head_dim // 4 if feat.get("quarter_rope") else head_dim // 3 if spec.mla else 0,
         gating=feat.get("gating"),
         norm_topk=feat.get("norm_topk"),
         expert_weights_scale=feat.get("expert_weights_scale", 0.0),
@@ -168,6 +178,7 @@ def random_config(
         yarn_orig_ctx=feat.get("yarn_orig_ctx", 0),
         **mla,
         moe_step=moe_step,
+        **gdn,
     )
 
 
@@ -186,6 +197,8 @@ def _random_arrays(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarra
             arr = 3.0 * rng.standard_normal(shape)  # wide enough that SwiGLU-OAI's clamps at +-7 bite on some rows
         elif name == "rope_freqs.weight":
             arr = rng.uniform(1.0, 8.0, shape)  # llama3-style factors (1 for fast pairs up to rope.scaling.factor): every pair's angle moves
+        elif name.endswith("ssm_a"):
+            arr = -rng.uniform(0.05, 0.5, shape)  # -exp(A_log), as converted: each head's state decays by exp(a * softplus(.))
         elif name.endswith("attn_sinks.weight"):
             arr = 2.0 + rng.standard_normal(shape)  # sink logits above the typical score: they take a visible share
         elif name.endswith(("ffn_gate_inp.bias", "_exps.bias")):

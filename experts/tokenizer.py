@@ -66,6 +66,10 @@ _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!
 _QWEN2_RE = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5 (qwen35): qwen2's, with combining marks counted as letters (llama-vocab.cpp's QWEN35).
+_QWEN35_RE = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # bailingmoe / bailingmoe2: Ling's regex as llama.cpp rewrites it (possessive quantifiers made greedy), one digit a word.
 _BAILINGMOE_RE = (
     r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
@@ -110,6 +114,7 @@ class PreTokenizer:
 _DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", "[0-9][0-9][0-9]"))
 _GPT2 = PreTokenizer((_GPT2_RE,))
 _QWEN2 = PreTokenizer((_QWEN2_RE,))
+_QWEN35 = PreTokenizer((_QWEN35_RE,))
 _LLAMA3 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
 # llama.cpp's CHATGLM4 regex is llama3's. For glm4 / glm5 / chatglm-bpe it sets special_bos_id = LLAMA_TOKEN_NULL
 # before reading the file's keys: such a vocab has a BOS only if the file names one (GLM files name [gMASK]), and
@@ -128,6 +133,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "phi-2": _GPT2,
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
+    "qwen35": _QWEN35,  # Qwen3.5 / Qwen3.6
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,

@@ -96,7 +96,7 @@ class PrefixCache:
             self.stats.hits += 1
             self.stats.reused_tokens += best_n
             taint = {p: pos for p, pos in entry.taint.items() if pos < best_n}
-            return KVCache([k[:best_n] for k in entry.cache.k], [v[:best_n] for v in entry.cache.v]), taint
+            return entry.cache.prefix(best_n), taint
 
     def store(self, namespace: str | None, tokens: Sequence[int], cache: KVCache, taint: Mapping[str, int] | None = None) -> None:
         """Keep *cache*'s positions (the first ``cache.n_past`` of *tokens*, prompt then generated) for later prompts,
@@ -105,8 +105,8 @@ class PrefixCache:
         if n == 0:
             return
         key_tokens = np.asarray(tokens[:n], dtype=np.int64)
-        compact = KVCache([np.array(k[:n]) for k in cache.k], [np.array(v[:n]) for v in cache.v])
-        nbytes = sum(a.nbytes for a in compact.k + compact.v)
+        compact = cache.prefix(n, copy=True)
+        nbytes = compact.nbytes
         kept = {p: pos for p, pos in (taint or {}).items() if pos < n}
         if nbytes > self.max_bytes:
             return

@@ -7,6 +7,7 @@ import gguf
 
 from experts.arch import ARCHS
 from experts.codecs import Codec
+from experts.delta_net import CHECKPOINT_EVERY
 from experts.errors import UsageError
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.random_model import SUPPORTED_QTYPES, random_config, write_random_model
@@ -107,6 +108,10 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
         "packed_bytes_per_layer": {i: packed_bytes(m, range(i, i + 1), hosted) for i in lr},
         "kv_cache_bytes_per_token_per_layer": 4 * m.cfg.kv_cache_floats,  # float32, as the backbone keeps it
     }
+    if m.cfg.layer_kinds:  # gated delta-net layers cache their recurrence's inputs, and state checkpoints
+        info["recurrent_layers"] = [i for i in range(m.cfg.n_layer) if m.cfg.is_recurrent(i)]
+        info["recurrent_cache_bytes_per_token_per_layer"] = 4 * m.cfg.gdn_row_floats
+        info["recurrent_state_bytes"] = 4 * m.cfg.gdn_state_floats
     if as_json:
         emit_json(info)
         return
@@ -116,6 +121,11 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
     dense = len(m.layers) - len(m.moe_layers)
     click.echo(f"hidden {c.n_embd}, {c.n_layer} layers ({dense} of these dense, no experts), {c.n_expert} experts top-{c.n_expert_used}, expert FFN {c.n_ff_exp}, shared FFN {c.n_ff_shexp}")
     click.echo(f"KV cache: {info['kv_cache_bytes_per_token_per_layer']} bytes per token per layer ({c.kv_cache_floats} float32" + (", the MLA latent)" if c.kv_lora_rank else ")"))
+    if c.layer_kinds:
+        click.echo(
+            f"recurrent layers {info['recurrent_layers']}: {info['recurrent_cache_bytes_per_token_per_layer']} bytes per token per layer, "
+            f"plus a {info['recurrent_state_bytes']}-byte state checkpoint every {CHECKPOINT_EVERY} positions (KV cache above: the full-attention layers)"
+        )
     click.echo(f"hosting layers {info['hosted']['layers']} x experts {hosted} with kernel {kernel_name}: {plan.describe()}")
     click.echo(f"digest {m.digest} (publish it with the model: `moeswarm fetch --model-digest` trusts nothing else)")
 

@@ -68,3 +68,20 @@ def test_deepseek2_random_model_and_inspect_report_the_latent_kv_cache(tmp_path)
         assert info["moe_layers"] == [1, 2] and info["config"]["n_nextn"] == 1 and info["kv_cache_bytes_per_token_per_layer"] == (32 + 8) * 4
         p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out)], capture_output=True, text=True, timeout=120)
         assert "KV cache: 160 bytes per token per layer (40 float32, the MLA latent)" in p.stdout, p.stdout
+
+
+def test_qwen3next_random_model_and_inspect_report_the_recurrent_cache(tmp_path):
+    """--arch qwen3next writes recurrent and full-attention layers; inspect reports what a recurrent layer caches per
+    token (conv input 2*32 + 64, beta and g of 4 V heads) and its state checkpoint (4 heads of 16 x 16), JSON and text."""
+    import json
+
+    out = tmp_path / "next.gguf"
+    p = subprocess.run([sys.executable, "-m", "node", "model", "random", "--arch", "qwen3next", "--layers", "4", "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out), "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["recurrent_layers"] == [0, 2] and info["moe_layers"] == [0, 1, 2, 3] and info["config"]["layer_kinds"] == "rara"
+    assert info["recurrent_cache_bytes_per_token_per_layer"] == 4 * (2 * 32 + 64 + 2 * 4) and info["recurrent_state_bytes"] == 4 * 4 * 16 * 16
+    p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "recurrent layers [0, 2]: 544 bytes per token per layer" in p.stdout, p.stdout

@@ -70,7 +70,7 @@ def test_f32_forward_matches_llamacpp(model_dir, arch, kernel_name):
 
 
 # deepseek2 at Q8_0 only: its per-head attn_k_b rows are qk_nope wide, shorter than a K-quant block at test sizes.
-QUANTIZED = [(a, q) for a in ARCHS + NEW_ARCHS for q in (Q.Q8_0, Q.Q4_K)] + [(a, Q.Q8_0) for a in ISSUE15_ARCHS]
+QUANTIZED = [(a, q) for a in ARCHS + NEW_ARCHS + ISSUE15_ARCHS for q in (Q.Q8_0, Q.Q4_K) if (a, q) != ("deepseek2", Q.Q4_K)]
 # Measured on deepseek2 Q8_0: seeds 0 and 2 each have 2 of 113 positions below 0.999 (min 0.918 / 0.928; every other
 # position >= 0.9997), seed 1 none. Not the MLA's quantized semantics: on seed 0, quantizing only attn_k_b, only
 # attn_v_b, or everything but them matches llama.cpp at min cosine 0.9999998. Suspected, not proven: near-tied

@@ -1,4 +1,4 @@
-"""olmoe / glm4moe / minimax-m2 / gpt-oss / deepseek2 through a real local swarm: one worker on the full file, one on a slice file."""
+"""olmoe / glm4moe / minimax-m2 / gpt-oss / deepseek2 / qwen3next / qwen35moe through a real local swarm: one worker on the full file, one on a slice file."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from experts.tokenizer import StreamDecoder, Tokenizer, tokenizer_spec_from_read
 
 K = gguf.Keys.Tokenizer
 TT = gguf.TokenType
-BPE_PRES = ("default", "gpt-2", "qwen2", "llama-bpe", "olmo", "glm4", "chatglm-bpe", "minimax-m2", "gpt-4o", "bailingmoe2", "deepseek-v3", "kimi-k2", "llama4")
+BPE_PRES = ("default", "gpt-2", "qwen2", "llama-bpe", "olmo", "glm4", "chatglm-bpe", "minimax-m2", "gpt-4o", "bailingmoe2", "deepseek-v3", "kimi-k2", "llama4", "qwen35")
 USER_TOKEN = "<tool>"
 
 # --- corpus and vocabularies trained on it -------------------------------------------------------
