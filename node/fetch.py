@@ -126,6 +126,20 @@ class FetchSession:
             raise _Refused(f"{answer.code.name}: {answer.message}")
         return answer, reply.path
 
+    async def manifest(self, digest: str, holders: dict[str, Host], timeout: float = 30.0) -> SliceLayout:
+        """The whole model's layout from the first of *holders* whose manifest hashes to *digest* (asked one at a
+        time: one good answer is enough); SliceError if none does."""
+        for peer, host in holders.items():
+            try:
+                answer, _ = await self.ask(host, wire.SliceInfoRequest(wire.model_id_of(bytes.fromhex(digest))), timeout)
+                if isinstance(answer, wire.SliceInfo):
+                    return SliceLayout.whole(digest, answer.manifest)
+                reason = f"answered with {type(answer).__name__}"
+            except MoeSwarmError as exc:  # unreachable, an error reply, a malformed or forged manifest
+                reason = str(exc)
+            log.warning("fetch.holder_skipped", peer=peer, reason=reason)
+        raise SliceError(f"no holder answered with the manifest of model {digest[:16]}... ({len(holders)} asked)")
+
     async def fetch(self, opts: FetchOptions, progress: Callable[[int, int], None] | None = None) -> FetchResult:
         """Fetch the slice into ``opts.out`` (resuming from ``OUT.parts/``); SliceError if no set of holders covers it."""
         t0 = time.perf_counter()

@@ -10,7 +10,7 @@ import click
 from experts.gguf_model import ExpertRange
 from experts.slices import parse_range
 from node.cli import progress
-from node.cli.options import bootstrap_opt, relay_opts, relay_settings
+from node.cli.options import bootstrap_opt, model_digest_value, relay_opts, relay_settings
 from node.cli.root import emit_json
 from node.runtime import parse_hostport
 from p2p.dht import check_bootstrap
@@ -19,7 +19,7 @@ MAX_INDEX = 0xFFFF  # the manifest gives the real bounds; the ranges are checked
 
 
 @click.command("fetch")
-@click.option("--model-digest", required=True, help="The model's digest (`moeswarm inspect FULL.gguf` prints it; whoever publishes the model publishes it): the only thing trusted, every fetched byte is checked against it.")
+@click.option("--model-digest", required=True, callback=model_digest_value, help="The model's digest (`moeswarm inspect FULL.gguf` prints it; whoever publishes the model publishes it): the only thing trusted, every fetched byte is checked against it.")
 @click.option("--layers", required=True, help="Layer range, e.g. 0-3.")
 @click.option("--experts", "experts_", required=True, help="Expert range, e.g. 0-31.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Slice file to write (verified experts are staged in OUTPUT.parts/ meanwhile: run again to resume).")
@@ -36,9 +36,7 @@ def fetch_cmd(model_digest, layers, experts_, output, bootstrap, bootstrap_wait,
     from node.fetch import FetchOptions, fetch_slice
     from p2p.identity import Identity
 
-    digest = model_digest.strip().lower()
-    if len(digest) != 64 or not set(digest) <= set("0123456789abcdef"):
-        raise click.BadParameter("a model digest is 64 hex characters (sha256)", param_hint="--model-digest")
+    digest = model_digest
     lr = parse_range(layers, MAX_INDEX, "layer")
     er = parse_range(experts_, MAX_INDEX, "expert")
     opts = FetchOptions(digest, lr, ExpertRange(er.start, er.stop), output, bootstrap, dht_listen=dht_listen, listen=parse_hostport(listen), max_datagram=max_datagram, timeout=timeout, relay=relay_settings(relay_ca, relay_keepalive))
