@@ -77,6 +77,19 @@ class SliceLayout:
             raise OutsideModel(f"layers {layers.start}-{layers.stop - 1} are all dense (no experts)")
         return cls(digest, cfg, manifest, layers, experts, _lines=lines)
 
+    @classmethod
+    def whole(cls, digest: str, manifest: Iterable[str]) -> SliceLayout:
+        """Every layer and expert of the model (its shape and sizes, before a part of it is chosen)."""
+        manifest = list(manifest)
+        cfg = config_from_line(manifest[0]) if manifest else None
+        if cfg is None or model_digest(manifest) != digest:
+            raise SliceError(f"the manifest does not hash to model {digest[:16]}... (a holder of another model, or forged)")
+        return cls.from_manifest(digest, manifest, range(cfg.n_layer), ExpertRange(0, cfg.n_expert))
+
+    def expert_nbytes(self, layer: int) -> int:
+        """Bytes of one expert of *layer* (its rows of every stacked tensor), as the manifest's types and shapes say."""
+        return sum(int(np.prod(gguf.quant_shape_to_byte_shape(shape, qtype)[1:])) for name in expert_tensor_names(self.cfg, self._lines.__contains__, layer) for qtype, shape, _ in [self._lines[name]])
+
     @property
     def names(self) -> list[str]:
         """The slice's tensors in file order (the order :func:`experts.slices.write_slice` writes them)."""

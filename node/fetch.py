@@ -1,16 +1,20 @@
 """`moeswarm fetch`, the asyncio edge: find a model's slice holders on the DHT and fetch from several at once.
 
 What to ask whom and whether an answer is the model's is decided in :mod:`experts.slice_fetch`; this module moves
-the bytes: a throwaway DHT client finds the workers whose records say they serve slices, one QUIC client endpoint
-(a throwaway identity, authenticated like a backbone's) asks each for its SliceInfo, then ``PER_HOLDER`` lanes per
-holder pull experts piece by piece until every expert is verified and staged.
+the bytes. A :class:`FetchSession` holds a DHT client and one QUIC endpoint under a throwaway identity (authenticated
+like a backbone's) with the backbone's connector (:mod:`node.outbound`): a holder that announces a direct address is
+dialled, a NAT-bound one is reached through its relay and hole-punched to a direct path where its NAT allows. The
+session asks each holder for its SliceInfo, then ``PER_HOLDER`` lanes per holder pull experts piece by piece until
+every expert is verified and staged. `moeswarm join --fetch` uses the same session to learn the model's shape and the
+swarm's coverage before it chooses what to fetch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,11 +23,17 @@ import structlog
 from experts.errors import MoeSwarmError, SliceError
 from experts.gguf_model import ExpertRange
 from experts.slice_fetch import ExpertRows, FetchPlan, Holder, OutsideModel, SliceLayout, Staging
+from node.backbone.routing import Host
+from node.outbound import connector_on
 from p2p import wire
+from p2p.connector import Connector
 from p2p.dht import LibP2PDiscovery
-from p2p.identity import Identity, PeerId
+from p2p.identity import Identity
+from p2p.pathkind import Path as PathKind
 from p2p.quic import Endpoint
-from p2p.quic_errors import Address, TransportError
+from p2p.quic_errors import TransportError
+from p2p.records import HostRecord
+from relay.client import RelaySettings
 
 log = structlog.get_logger("node.fetch")
 PER_HOLDER = 2  # experts asked of one holder at once (a worker admits 4 piece requests per peer by default)
@@ -42,6 +52,7 @@ class FetchOptions:
     max_datagram: int = 1200
     timeout: float = 30.0  # seconds one piece may take
     per_holder: int = PER_HOLDER
+    relay: RelaySettings = RelaySettings()  # how links to NAT-bound holders' relays trust wss:// and keep alive
 
 
 @dataclass
@@ -53,6 +64,7 @@ class FetchResult:
     seconds: float  # the whole fetch: DHT lookups, SliceInfo, pieces, the write
     transfer_seconds: float  # from the first piece request to the last expert verified
     by_holder: dict[str, int] = field(default_factory=dict)
+    by_path: dict[str, dict[str, int]] = field(default_factory=dict)  # holder -> "direct"/"relay" -> verified bytes
     dropped: dict[str, str] = field(default_factory=dict)
 
 
@@ -64,42 +76,114 @@ class _Refused(MoeSwarmError):
     """The holder answered with an error reply."""
 
 
-@dataclass(frozen=True)
-class _Peer:
-    peer_id: PeerId
-    addr: Address
-
-
-async def find_holders(identity: Identity, opts: FetchOptions) -> dict[str, _Peer]:
-    """Workers whose records say they serve slices of the model, for any layer of the range (direct address only)."""
-    async with LibP2PDiscovery(identity, listen=opts.dht_listen, bootstrap=opts.bootstrap, client_mode=True) as dht:
-        found = await asyncio.gather(*(dht.lookup(opts.model_digest, layer) for layer in opts.layers))
+def slice_holders(found: Iterable[list[HostRecord]]) -> dict[str, Host]:
+    """The hosts among *found* (lookups' records) that serve slices, by peer id: dialled directly or via their relay."""
     holders = {}
     for records in found:
         for r in records:
-            if r.hosted.serves_slices and r.hosted.quic_addr is not None:
-                host, _, port = r.hosted.quic_addr.rpartition(":")
-                holders[str(r.peer_id)] = _Peer(r.peer_id, (host.strip("[]"), int(port)))
+            if r.hosted.serves_slices and (host := Host.from_record(r)) is not None:
+                holders[str(r.peer_id)] = host
     return holders
 
 
-class _Fetch:
-    """One fetch over one endpoint: SliceInfo from every holder, then the lanes."""
+class FetchSession:
+    """A DHT client and an endpoint with a connector, for lookups and requests to slice holders (``async with``)."""
 
-    def __init__(self, endpoint: Endpoint, opts: FetchOptions, peers: dict[str, _Peer], progress: Callable[[int, int], None] | None) -> None:
-        self.endpoint, self.opts, self.peers, self.progress = endpoint, opts, peers, progress
+    def __init__(self, identity: Identity, bootstrap: Sequence[str], *, dht_listen: str = "127.0.0.1:0", listen: tuple[str, int] = ("127.0.0.1", 0), max_datagram: int = 1200, relay: RelaySettings = RelaySettings()) -> None:
+        self.identity, self.bootstrap, self.dht_listen, self.listen, self.max_datagram, self.relay = identity, bootstrap, dht_listen, listen, max_datagram, relay
+        self._stack = contextlib.AsyncExitStack()
+
+    @classmethod
+    def for_options(cls, identity: Identity, opts: FetchOptions) -> FetchSession:
+        return cls(identity, opts.bootstrap, dht_listen=opts.dht_listen, listen=opts.listen, max_datagram=opts.max_datagram, relay=opts.relay)
+
+    async def __aenter__(self) -> FetchSession:
+        stack = self._stack
+        try:
+            self.dht = await stack.enter_async_context(LibP2PDiscovery(self.identity, listen=self.dht_listen, bootstrap=self.bootstrap, client_mode=True))
+            self.endpoint = await Endpoint.bind(self.identity, self.listen[0], self.listen[1], handler=None, max_datagram_size=self.max_datagram)
+            stack.push_async_callback(self.endpoint.close)
+            self.connector: Connector = await stack.enter_async_context(connector_on(self.identity, self.endpoint, self.dht, self.relay))
+        except BaseException:
+            await stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def lookup(self, digest: str, layers: Iterable[int]) -> list[list[HostRecord]]:
+        """The DHT's records of *digest* for each of *layers*, in order."""
+        return list(await asyncio.gather(*(self.dht.lookup(digest, layer) for layer in layers)))
+
+    async def ask(self, host: Host, msg: wire.SliceInfoRequest | wire.PieceRequest, timeout: float) -> tuple[wire.Message, PathKind]:
+        """*host*'s answer to *msg* and the path it came on; _Busy or _Refused for an error reply."""
+        reply = await self.connector.request(host.peer_id, host.addr, host.relay, msg.encode(), timeout=timeout)
+        answer = wire.decode(reply.data)
+        if isinstance(answer, wire.ErrorReply):
+            if answer.code is wire.ErrorCode.OVERLOADED:
+                raise _Busy(answer.message)
+            raise _Refused(f"{answer.code.name}: {answer.message}")
+        return answer, reply.path
+
+    async def manifest(self, digest: str, holders: dict[str, Host], timeout: float = 30.0) -> SliceLayout:
+        """The whole model's layout from the first of *holders* whose manifest hashes to *digest* (asked one at a
+        time: one good answer is enough); SliceError if none does."""
+        for peer, host in holders.items():
+            try:
+                answer, _ = await self.ask(host, wire.SliceInfoRequest(wire.model_id_of(bytes.fromhex(digest))), timeout)
+                if isinstance(answer, wire.SliceInfo):
+                    return SliceLayout.whole(digest, answer.manifest)
+                reason = f"answered with {type(answer).__name__}"
+            except MoeSwarmError as exc:  # unreachable, an error reply, a malformed or forged manifest
+                reason = str(exc)
+            log.warning("fetch.holder_skipped", peer=peer, reason=reason)
+        raise SliceError(f"no holder answered with the manifest of model {digest[:16]}... ({len(holders)} asked)")
+
+    async def fetch(self, opts: FetchOptions, progress: Callable[[int, int], None] | None = None) -> FetchResult:
+        """Fetch the slice into ``opts.out`` (resuming from ``OUT.parts/``); SliceError if no set of holders covers it."""
+        t0 = time.perf_counter()
+        peers = slice_holders(await self.lookup(opts.model_digest, opts.layers))
+        if not peers:
+            raise SliceError(f"no worker on the DHT serves slices of model {opts.model_digest[:16]}... for layers {opts.layers.start}-{opts.layers.stop - 1}")
+        fetch = _Fetch(self, opts, peers, progress)
+        layout, infos = await fetch.layout()
+        items = layout.items()
+        staging = Staging(opts.out.with_name(opts.out.name + ".parts"))
+        done = await asyncio.to_thread(staging.verified, items)
+        plan = FetchPlan(items, done=set(done))
+        resumed = plan.done_bytes
+        log.info("fetch.started", model=opts.model_digest[:16], holders=len(infos), experts=len(items), total_mb=round(plan.total_bytes / 1e6, 2), resumed_mb=round(resumed / 1e6, 2))
+        for peer, info in infos.items():
+            plan.add_holder(Holder(peer, range(*info.layers), range(*info.experts)))
+        if progress:
+            progress(plan.done_bytes, plan.total_bytes)
+        t_transfer = time.perf_counter()
+        await asyncio.gather(*(fetch.lane(peer, plan, staging) for peer in list(plan.holders) for _ in range(opts.per_holder)))
+        if not plan.finished:
+            missing = plan.stuck()
+            what = f"expert {missing.expert} of {missing.name}" if missing else "some experts"
+            raise SliceError(f"no live holder serves {what}; dropped holders: {plan.dropped or 'none'}. Run fetch again to resume")
+        transfer = time.perf_counter() - t_transfer
+        await asyncio.to_thread(layout.write, opts.out, staging)
+        staging.remove()
+        by_holder = {peer: sum(paths.values()) for peer, paths in fetch.by_path.items()}
+        result = FetchResult(opts.out, plan.total_bytes, plan.fetched_bytes, resumed, time.perf_counter() - t0, transfer, by_holder, fetch.by_path, plan.dropped)
+        log.info("fetch.done", out=str(opts.out), fetched_mb=round(result.fetched_bytes / 1e6, 2), resumed_mb=round(resumed / 1e6, 2), holders=len(by_holder), dropped=len(result.dropped), seconds=round(result.seconds, 2))
+        return result
+
+
+class _Fetch:
+    """One fetch over one session: SliceInfo from every holder, then the lanes."""
+
+    def __init__(self, session: FetchSession, opts: FetchOptions, peers: dict[str, Host], progress: Callable[[int, int], None] | None) -> None:
+        self.session, self.opts, self.peers, self.progress = session, opts, peers, progress
         self.model_id = wire.model_id_of(bytes.fromhex(opts.model_digest))
         self.changed = asyncio.Condition()
-        self.by_holder: dict[str, int] = {}
+        self.by_path: dict[str, dict[str, int]] = {}
 
-    async def ask(self, peer: str, msg: wire.SliceInfoRequest | wire.PieceRequest) -> wire.Message:
-        p = self.peers[peer]
-        reply = wire.decode(await self.endpoint.request(p.addr, p.peer_id, msg.encode(), timeout=self.opts.timeout))
-        if isinstance(reply, wire.ErrorReply):
-            if reply.code is wire.ErrorCode.OVERLOADED:
-                raise _Busy(reply.message)
-            raise _Refused(f"{reply.code.name}: {reply.message}")
-        return reply
+    async def ask(self, peer: str, msg: wire.SliceInfoRequest | wire.PieceRequest) -> tuple[wire.Message, PathKind]:
+        return await self.session.ask(self.peers[peer], msg, self.opts.timeout)
 
     async def layout(self) -> tuple[SliceLayout, dict[str, wire.SliceInfo]]:
         """The layout from the first manifest that hashes to the digest, and the holders whose info checks out."""
@@ -107,7 +191,8 @@ class _Fetch:
         answers = await asyncio.gather(*(self.ask(p, wire.SliceInfoRequest(self.model_id)) for p in peers), return_exceptions=True)
         infos: dict[str, wire.SliceInfo] = {}
         layout = None
-        for peer, answer in zip(peers, answers, strict=True):
+        for peer, asked in zip(peers, answers, strict=True):
+            answer = asked[0] if isinstance(asked, tuple) else asked
             if not isinstance(answer, wire.SliceInfo):
                 log.warning("fetch.holder_skipped", peer=peer, reason=repr(answer))
                 continue
@@ -130,15 +215,16 @@ class _Fetch:
             raise SliceError(f"no holder answered with the manifest of model {self.opts.model_digest[:16]}... ({len(peers)} asked)")
         return layout, infos
 
-    async def rows(self, peer: str, item: ExpertRows) -> bytes:
-        parts, offset = [], 0
+    async def rows(self, peer: str, item: ExpertRows) -> tuple[bytes, PathKind]:
+        """The expert's bytes from *peer*, and the path its last piece came on."""
+        parts, offset, path = [], 0, PathKind.DIRECT
         while offset < item.nbytes:
-            reply = await self.ask(peer, wire.PieceRequest(self.model_id, item.name, item.expert, offset, min(wire.MAX_PIECE, item.nbytes - offset)))
+            reply, path = await self.ask(peer, wire.PieceRequest(self.model_id, item.name, item.expert, offset, min(wire.MAX_PIECE, item.nbytes - offset)))
             if not isinstance(reply, wire.Piece) or reply.offset != offset:
                 raise wire.InvalidField("type", f"answered a piece request with {type(reply).__name__}")
             parts.append(reply.data)
             offset += len(reply.data)
-        return b"".join(parts)
+        return b"".join(parts), path
 
     async def lane(self, peer: str, plan: FetchPlan, staging: Staging) -> None:
         while not plan.finished:
@@ -153,7 +239,7 @@ class _Fetch:
                         pass
                 continue
             try:
-                data = await self.rows(peer, item)
+                data, path = await self.rows(peer, item)
             except _Busy as exc:
                 plan.failed(peer, item, str(exc), strike=False)
                 await asyncio.sleep(BUSY_BACKOFF_S)
@@ -164,7 +250,8 @@ class _Fetch:
             else:
                 if plan.received(peer, item, data):
                     await asyncio.to_thread(staging.write, item, data)
-                    self.by_holder[peer] = self.by_holder.get(peer, 0) + len(data)
+                    paths = self.by_path.setdefault(peer, {})
+                    paths[path.value] = paths.get(path.value, 0) + len(data)
                     if self.progress:
                         self.progress(plan.done_bytes, plan.total_bytes)
             async with self.changed:
@@ -172,36 +259,6 @@ class _Fetch:
 
 
 async def fetch_slice(identity: Identity, opts: FetchOptions, progress: Callable[[int, int], None] | None = None) -> FetchResult:
-    """Fetch the slice into ``opts.out`` (resuming from ``OUT.parts/``); SliceError if no set of holders covers it."""
-    t0 = time.perf_counter()
-    peers = await find_holders(identity, opts)
-    if not peers:
-        raise SliceError(f"no worker on the DHT serves slices of model {opts.model_digest[:16]}... for layers {opts.layers.start}-{opts.layers.stop - 1}")
-    endpoint = await Endpoint.bind(identity, opts.listen[0], opts.listen[1], handler=None, max_datagram_size=opts.max_datagram)
-    try:
-        fetch = _Fetch(endpoint, opts, peers, progress)
-        layout, infos = await fetch.layout()
-        items = layout.items()
-        staging = Staging(opts.out.with_name(opts.out.name + ".parts"))
-        done = await asyncio.to_thread(staging.verified, items)
-        plan = FetchPlan(items, done=set(done))
-        resumed = plan.done_bytes
-        log.info("fetch.started", model=opts.model_digest[:16], holders=len(infos), experts=len(items), total_mb=round(plan.total_bytes / 1e6, 2), resumed_mb=round(resumed / 1e6, 2))
-        for peer, info in infos.items():
-            plan.add_holder(Holder(peer, range(*info.layers), range(*info.experts)))
-        if progress:
-            progress(plan.done_bytes, plan.total_bytes)
-        t_transfer = time.perf_counter()
-        await asyncio.gather(*(fetch.lane(peer, plan, staging) for peer in list(plan.holders) for _ in range(opts.per_holder)))
-        if not plan.finished:
-            missing = plan.stuck()
-            what = f"expert {missing.expert} of {missing.name}" if missing else "some experts"
-            raise SliceError(f"no live holder serves {what}; dropped holders: {plan.dropped or 'none'}. Run fetch again to resume")
-        transfer = time.perf_counter() - t_transfer
-        await asyncio.to_thread(layout.write, opts.out, staging)
-        staging.remove()
-    finally:
-        await endpoint.close()
-    result = FetchResult(opts.out, plan.total_bytes, plan.fetched_bytes, resumed, time.perf_counter() - t0, transfer, fetch.by_holder, plan.dropped)
-    log.info("fetch.done", out=str(opts.out), fetched_mb=round(result.fetched_bytes / 1e6, 2), resumed_mb=round(resumed / 1e6, 2), holders=len(result.by_holder), dropped=len(result.dropped), seconds=round(result.seconds, 2))
-    return result
+    """`moeswarm fetch`: one session, one slice (see :meth:`FetchSession.fetch`)."""
+    async with FetchSession.for_options(identity, opts) as session:
+        return await session.fetch(opts, progress)

@@ -42,7 +42,8 @@ class RelayClientLike(RelayLink, Protocol):
 class RelayRoute(Protocol):
     """What the connector needs of ``relay.client.RelayPath``: the client and virtual addresses through it."""
 
-    client: RelayClientLike
+    @property
+    def client(self) -> RelayClientLike: ...  # read-only here, so a route holding a concrete RelayClient matches
 
     def address(self, peer: PeerId) -> Address: ...
 

@@ -22,16 +22,15 @@ from node.backbone.hot import HotExperts
 from node.backbone.routing import ROUTE_REFRESH_S
 from node.backbone.spotcheck import DEFAULT_SPOT_CHECK
 from node.ledger.sink import LedgerSink
+from node.outbound import connector_on
 from node.status.server import model_shape
 from node.verdicts import require_verified
-from p2p.connector import Connector
 from p2p.dht import LibP2PDiscovery
 from p2p.discovery import CachedDiscovery
-from p2p.helpers import NodeReachability
 from p2p.identity import Identity
 from p2p.quic import Endpoint
 from p2p.vetting import VettedDiscovery, ping_probe
-from relay.client import RelaySettings, attach
+from relay.client import RelaySettings
 
 log = structlog.get_logger("node.backbone.session")
 
@@ -63,14 +62,8 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
             stack.callback(ledger.close)
         else:
             ledger = None
-        reach = NodeReachability(endpoint, dht)  # answers probes; our own verdict gives the addresses punches need
-        stack.push_async_callback(reach.close)
         await dht.start()
-        reach.start()
-        checking = asyncio.create_task(reach.check())  # in the background: dispatches start on the relay anyway
-        stack.push_async_callback(_cancel, checking)
-        connector = Connector(endpoint, relay_route=lambda url, relay_peer: attach(endpoint, relay.client(identity, url, expected_relay=relay_peer)), nat=reach.nat)
-        stack.push_async_callback(connector.close)
+        connector = await stack.enter_async_context(connector_on(identity, endpoint, dht, relay))
         cfg = model.cfg
         # Only hosts that answered a ping or served us (p2p.vetting): a DHT answer may be full of sybils' records.
         discovery = VettedDiscovery(CachedDiscovery(dht, ttl=30.0), ping_probe(connector))

@@ -88,16 +88,18 @@ def bench_engine(as_json: bool, n_layer: int, n_tokens: int, n_prefill: int, rou
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--rate", default="1G", show_default=True, help="--slice-rate and --slice-rate-per-peer of the holders (the default lifts the workers' pacing: the transport is measured).")
 @click.option("--probes", default=200, show_default=True, type=click.IntRange(1), help="Idle dispatches timed before the fetch (as many as fit are timed during it).")
+@click.option("--rtt-ms", default=80.0, show_default=True, type=click.FloatRange(min=0), help="Also fetch in the real-NAT testbed with the holders this far from the fetcher (root only; 0: loopback only).")
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
-def bench_fetch(as_json: bool, rate: str, probes: int, write_md: str | None) -> None:
-    """Slice fetch MB/s from 1 vs 3 holders (loopback, real processes) and a holder's dispatch latency meanwhile."""
+def bench_fetch(as_json: bool, rate: str, probes: int, rtt_ms: float, write_md: str | None) -> None:
+    """Slice fetch MB/s from 1 vs 3 holders (loopback and the testbed, real processes) and a holder's dispatch latency meanwhile."""
     from node.bench import fetch
 
-    result = fetch.run(rate, probes)
-    lb, lat = result["loopback"], result["dispatch_latency_of_a_holder"]
-    lines = [f"{k}: {v['mb']} MB in {v['seconds']} s = {v['mb_s']} MB/s" for k, v in lb.items()]
+    result = fetch.run(rate, probes, rtt_ms)
+    lat = result["dispatch_latency_of_a_holder"]
+    where = {"loopback": result["loopback"], **({f"testbed {rtt_ms:g} ms": result["testbed"]} if result["testbed"] else {})}
+    lines = [f"{place} {k}: {v['mb']} MB in {v['seconds']} s = {v['mb_s']} MB/s (transfer {v['transfer_mb_s']} MB/s)" for place, runs in where.items() for k, v in runs.items() if k != "rtt_ms"]
     lines += [f"dispatch latency {k}: {v}" for k, v in lat.items()]
-    publish(result, f"moeswarm bench fetch --json --rate {rate}", write_md=write_md, as_json=as_json, lines=lines)
+    publish(result, f"moeswarm bench fetch --json --rate {rate} --rtt-ms {rtt_ms:g}", write_md=write_md, as_json=as_json, lines=lines)
 
 
 @bench_group.command("dispatch")

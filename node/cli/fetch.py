@@ -10,7 +10,7 @@ import click
 from experts.gguf_model import ExpertRange
 from experts.slices import parse_range
 from node.cli import progress
-from node.cli.options import bootstrap_opt
+from node.cli.options import bootstrap_opt, model_digest_value, relay_opts, relay_settings
 from node.cli.root import emit_json
 from node.runtime import parse_hostport
 from p2p.dht import check_bootstrap
@@ -19,7 +19,7 @@ MAX_INDEX = 0xFFFF  # the manifest gives the real bounds; the ranges are checked
 
 
 @click.command("fetch")
-@click.option("--model-digest", required=True, help="The model's digest (`moeswarm inspect FULL.gguf` prints it; whoever publishes the model publishes it): the only thing trusted, every fetched byte is checked against it.")
+@click.option("--model-digest", required=True, callback=model_digest_value, help="The model's digest (`moeswarm inspect FULL.gguf` prints it; whoever publishes the model publishes it): the only thing trusted, every fetched byte is checked against it.")
 @click.option("--layers", required=True, help="Layer range, e.g. 0-3.")
 @click.option("--experts", "experts_", required=True, help="Expert range, e.g. 0-31.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Slice file to write (verified experts are staged in OUTPUT.parts/ meanwhile: run again to resume).")
@@ -28,18 +28,18 @@ MAX_INDEX = 0xFFFF  # the manifest gives the real bounds; the ranges are checked
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC (use a routable or wildcard host to reach other machines, e.g. 0.0.0.0:0).")
 @click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
 @click.option("--timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds one piece (at most 4 MiB) may take before that holder gets a strike.")
+@relay_opts
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def fetch_cmd(model_digest, layers, experts_, output, bootstrap, bootstrap_wait, dht_listen, listen, max_datagram, timeout, as_json) -> None:
-    """Fetch the slice (LAYERS x EXPERTS) of the model named by its digest from the workers serving it."""
+def fetch_cmd(model_digest, layers, experts_, output, bootstrap, bootstrap_wait, dht_listen, listen, max_datagram, timeout, relay_ca, relay_keepalive, as_json) -> None:
+    """Fetch the slice (LAYERS x EXPERTS) of the model named by its digest from the workers serving it (NAT-bound ones
+    through their relay, hole-punched to a direct path where their NAT allows)."""
     from node.fetch import FetchOptions, fetch_slice
     from p2p.identity import Identity
 
-    digest = model_digest.strip().lower()
-    if len(digest) != 64 or not set(digest) <= set("0123456789abcdef"):
-        raise click.BadParameter("a model digest is 64 hex characters (sha256)", param_hint="--model-digest")
+    digest = model_digest
     lr = parse_range(layers, MAX_INDEX, "layer")
     er = parse_range(experts_, MAX_INDEX, "expert")
-    opts = FetchOptions(digest, lr, ExpertRange(er.start, er.stop), output, bootstrap, dht_listen=dht_listen, listen=parse_hostport(listen), max_datagram=max_datagram, timeout=timeout)
+    opts = FetchOptions(digest, lr, ExpertRange(er.start, er.stop), output, bootstrap, dht_listen=dht_listen, listen=parse_hostport(listen), max_datagram=max_datagram, timeout=timeout, relay=relay_settings(relay_ca, relay_keepalive))
 
     async def run(shown):
         await check_bootstrap(bootstrap, bootstrap_wait)
@@ -48,6 +48,6 @@ def fetch_cmd(model_digest, layers, experts_, output, bootstrap, bootstrap_wait,
     with progress.bars(progress.wanted(as_json=as_json)) as shown:
         result = asyncio.run(run(shown))
     if as_json:
-        emit_json({"out": str(result.out), "total_bytes": result.total_bytes, "fetched_bytes": result.fetched_bytes, "resumed_bytes": result.resumed_bytes, "seconds": result.seconds, "transfer_seconds": result.transfer_seconds, "by_holder": result.by_holder, "dropped": result.dropped})
+        emit_json({"out": str(result.out), "total_bytes": result.total_bytes, "fetched_bytes": result.fetched_bytes, "resumed_bytes": result.resumed_bytes, "seconds": result.seconds, "transfer_seconds": result.transfer_seconds, "by_holder": result.by_holder, "by_path": result.by_path, "dropped": result.dropped})
     else:
         click.echo(f"wrote {result.out}: layers {layers}, experts {experts_} of model {digest[:16]}... ({result.fetched_bytes / 1e6:.1f} MB fetched from {len(result.by_holder)} holders, {result.resumed_bytes / 1e6:.1f} MB resumed, {len(result.dropped)} dropped, {result.seconds:.1f} s)")

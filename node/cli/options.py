@@ -17,6 +17,16 @@ KERNEL_NAMES = ("ggml", "reference")
 ROUTE_REFRESH_S = 3.0  # node.backbone.routing.ROUTE_REFRESH_S, spelled out likewise (tests/unit/test_churn_routing.py)
 
 
+def model_digest_value(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """A ``--model-digest`` callback: 64 hex characters (sha256), lowercased; None stays None."""
+    if value is None:
+        return None
+    digest = value.strip().lower()
+    if len(digest) != 64 or not set(digest) <= set("0123456789abcdef"):
+        raise click.BadParameter("a model digest is 64 hex characters (sha256)", ctx=ctx, param=param)
+    return digest
+
+
 def kernel_options(command):
     """--kernel and --threads: how this node computes (dense part and experts alike)."""
     command = click.option("--threads", default=None, type=click.IntRange(min=1), help="Threads for the compute kernel (default: every core this process may use).")(command)

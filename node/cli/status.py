@@ -15,6 +15,7 @@ from experts.gguf_model import GGUFModel
 from node.cli.root import emit_json
 from node.cli.survey import local_address_towards, survey
 from node.status.coverage import Coverage, HostSummary, host_summaries
+from node.status.server import model_shape
 from p2p.dht import bootstrap_target, check_bootstrap
 
 
@@ -31,7 +32,7 @@ def status_cmd(bootstrap: tuple[str, ...], model_path: str, dht_listen: str | No
         bootstrap_target(addr)
     model = GGUFModel(model_path)
     asyncio.run(check_bootstrap(bootstrap, bootstrap_wait))
-    coverage = asyncio.run(survey(model, bootstrap, dht_listen or f"{local_address_towards(host)}:0"))
+    coverage = asyncio.run(survey(model_shape(model), bootstrap, dht_listen or f"{local_address_towards(host)}:0"))
     hosts = host_summaries(coverage)
     if as_json:
         emit_json({**coverage.to_json(), "moe_layers": list(model.moe_layers), "hosts": [h.to_json() for h in hosts]})

@@ -12,11 +12,11 @@ import time
 from collections.abc import Sequence
 
 from experts.errors import UsageError
-from experts.gguf_model import GGUFModel
 from node.status.coverage import Coverage, build_coverage
 from p2p.dht import LibP2PDiscovery
 from p2p.discovery import DiscoveryError
 from p2p.identity import Identity
+from p2p.records import HostRecord, ModelShape
 
 
 def local_address_towards(host: str) -> str:
@@ -30,12 +30,16 @@ def local_address_towards(host: str) -> str:
         raise UsageError(f"no route from this machine to the bootstrap host {host} ({exc.strerror or exc}); check the network, or give --listen HOST:PORT with this machine's address") from None
 
 
-async def survey(model: GGUFModel, bootstrap: Sequence[str], dht_listen: str) -> Coverage:
-    """The swarm's coverage of *model*: one DHT lookup per layer from a throwaway client."""
-    cfg = model.cfg
+def coverage_of(shape: ModelShape, found: Sequence[list[HostRecord]]) -> Coverage:
+    """The coverage map from one lookup's records per MoE layer of *shape* (in order)."""
+    return build_coverage(shape.digest, shape.n_layer, shape.n_expert, dict(zip(shape.moe_layers, found, strict=True)), time.time(), layers=shape.moe_layers)
+
+
+async def survey(shape: ModelShape, bootstrap: Sequence[str], dht_listen: str) -> Coverage:
+    """The swarm's coverage of the model of *shape*: one DHT lookup per MoE layer from a throwaway client."""
     try:
         async with LibP2PDiscovery(Identity.generate(), listen=dht_listen, bootstrap=bootstrap, client_mode=True) as dht:
-            found = await asyncio.gather(*(dht.lookup(model.digest, layer) for layer in model.moe_layers))
+            found = await asyncio.gather(*(dht.lookup(shape.digest, layer) for layer in shape.moe_layers))
     except DiscoveryError as exc:
         raise UsageError(f"could not join the DHT through {', '.join(bootstrap)}: {exc}; check the peer id in the address (the part after /p2p/)") from None
-    return build_coverage(model.digest, cfg.n_layer, cfg.n_expert, dict(zip(model.moe_layers, found, strict=True)), time.time(), layers=model.moe_layers)
+    return coverage_of(shape, found)

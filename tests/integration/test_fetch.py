@@ -19,9 +19,8 @@ from experts.gguf_model import ExpertRange, GGUFModel
 from experts.slices import write_slice
 from node.launcher import Cluster
 from p2p import wire
-from p2p.identity import Identity, PeerId
-from p2p.quic import Endpoint
 from tests.support import moeswarm, until
+from tests.support.dispatch import partial_sums
 from tests.support.processes import MOESWARM
 
 pytestmark = pytest.mark.slow
@@ -54,18 +53,6 @@ def dispatch_request() -> wire.DispatchRequest:
     x = np.random.default_rng(1).standard_normal((3, MODEL.cfg.n_embd)).astype(np.float32).tobytes()
     ids, weights = (0, 3, 1, 2, 3, 0), (0.7, 0.3, 0.5, 0.5, 0.9, 0.1)
     return wire.DispatchRequest(os.urandom(16), wire.model_id_of(bytes.fromhex(MODEL.digest)), 1, Codec.F32, 3, 2, ids, weights, x)
-
-
-async def partial_sums(ready: dict, request: wire.DispatchRequest) -> bytes:
-    """The partial sums a worker process answers *request* with, over QUIC."""
-    host, _, port = ready["quic_addr"].rpartition(":")
-    ep = await Endpoint.bind(Identity.generate(), "127.0.0.1", 0, handler=None)
-    try:
-        reply = wire.decode(await ep.request((host, int(port)), PeerId.from_string(ready["peer_id"]), request.encode(), timeout=30))
-    finally:
-        await ep.close()
-    assert isinstance(reply, wire.DispatchReply), reply
-    return reply.partial
 
 
 def fetch_args(boot: str, out: Path) -> list[str]:

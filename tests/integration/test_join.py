@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 
+import numpy as np
 import pytest
 
+from experts.codecs import Codec
+from experts.gguf_model import ExpertRange, GGUFModel
 from node.launcher import Cluster
+from p2p import wire
 from p2p.dht import LibP2PDiscovery
 from p2p.identity import Identity
 from tests.support import moeswarm, until, wait_for_log
+from tests.support.dispatch import partial_sums
 from tests.support.tlsproxy import free_port
 
 from ..conftest import make_model
@@ -39,8 +45,6 @@ async def hosted_ranges(boot: str, digest: str) -> dict[str, tuple]:
 def test_join_hosts_the_experts_the_swarm_lacks(tmp_path, model32):
     """Workers hold experts 0-15 of every layer: `join` picks 16-31 of every layer, announces them in the DHT,
     says so in one line, and prints no progress bar into its piped output."""
-    from experts.gguf_model import GGUFModel
-
     digest = GGUFModel(model32).digest
     with Cluster(tmp_path) as cluster:
         boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
@@ -101,3 +105,32 @@ def test_join_with_a_slice_chooses_within_it(tmp_path, model32):
         joiner.wait_ready(timeout=120)
         line = wait_for_log(joiner.log_file, "serving layers", timeout=30)
         assert line.startswith(f"serving layers 0-{N_LAYER - 1} experts 16-31 of slice.gguf reachable at 127.0.0.1:"), line
+
+
+def test_join_fetch_fetches_the_thin_part_and_serves_it_bit_exact(tmp_path, model32):
+    """Workers hold experts 0-15, 16-31 and (a second copy) 0-7 of every layer, serving slices: `join --fetch` with
+    no model file picks 8-31 (one host each), fetches exactly them from the two holders that have them, and
+    then answers dispatches bit for bit as those full-model holders do, while the DHT lists it for 8-31."""
+    model = GGUFModel(model32)
+    with Cluster(tmp_path) as cluster:
+        boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
+        workers = [cluster.start(f"w{e}", "worker", "--model", str(model32), "--experts", e, "--bootstrap", boot) for e in ("0-15", "16-31", "0-7")]
+        low, high, _ = (w.wait_ready(timeout=120) for w in workers)
+        joiner = cluster.start("joiner", "join", "--fetch", "--model-digest", model.digest, "--bootstrap", boot, "--memory", "1G")
+        ready = joiner.wait_ready(timeout=180)
+        line = wait_for_log(joiner.log_file, "serving layers", timeout=30)
+        assert re.fullmatch(rf"serving layers 0-{N_LAYER - 1} experts 8-31 of {model.digest[:16]}-layers0-{N_LAYER - 1}-experts8-31\.gguf reachable at 127\.0\.0\.1:\d+ via direct", line), line
+        fetched = wait_for_log(joiner.log_file, "fetched ", timeout=5)
+        assert "from 2 holders" in fetched and "0 dropped" in fetched, fetched
+        sliced = GGUFModel(tmp_path / "joiner" / f"{model.digest[:16]}-layers0-{N_LAYER - 1}-experts8-31.gguf")  # in its data dir
+        assert sliced.is_slice and sliced.experts == ExpertRange(8, 32) and sliced.digest == model.digest
+        until(lambda: asyncio.run(hosted_ranges(boot, model.digest)).get(ready["peer_id"]) == (((8, 32),),), timeout=60, what="the DHT lists the joiner for experts 8-31")
+        for experts, holder in (((8, 15, 9, 12), low), ((16, 31, 20, 24), high)):
+            request = dispatch_request(model, experts)
+            assert asyncio.run(partial_sums(ready, request)) == asyncio.run(partial_sums(holder, request))
+
+
+def dispatch_request(model: GGUFModel, experts: tuple[int, ...]) -> wire.DispatchRequest:
+    """Two tokens of layer 1, each routed to two of *experts*."""
+    x = np.random.default_rng(2).standard_normal((2, model.cfg.n_embd)).astype(np.float32).tobytes()
+    return wire.DispatchRequest(os.urandom(16), wire.model_id_of(bytes.fromhex(model.digest)), 1, Codec.F32, 2, 2, experts, (0.6, 0.4, 0.3, 0.7), x)

@@ -87,3 +87,20 @@ def test_staged_and_written_slice_equals_the_cut(tmp_path):
     assert out.read_bytes() == cut.read_bytes()
     staging.path(items[0].leaf).write_bytes(b"torn")
     assert staging.verified(items) == set(items[1:])  # the torn file is not trusted, the rest is kept
+
+
+def test_the_whole_model_from_its_manifest_sizes_experts_as_the_file_does(model_dir):
+    """`join --fetch` has only the digest: a verified manifest gives the model's layers, experts and each expert's
+    bytes (here quantized: block-aligned rows), as the file would; a manifest of another digest gives nothing."""
+    from gguf import GGMLQuantizationType as Q
+
+    from experts.hosting import packed_bytes
+    from tests.conftest import make_model
+
+    m = GGUFModel(make_model(model_dir, "qwen3moe", Q.Q8_0, n_layer=2))
+    whole = SliceLayout.whole(m.digest, m.manifest)
+    assert whole.layers == range(m.cfg.n_layer) and whole.experts == ExpertRange(0, m.cfg.n_expert)
+    for layer in m.moe_layers:
+        assert whole.expert_nbytes(layer) == packed_bytes(m, range(layer, layer + 1), ExpertRange(0, 1)) > 0
+    with pytest.raises(SliceError, match="does not hash to model"):
+        SliceLayout.whole(MODEL.digest, m.manifest)
