@@ -120,8 +120,11 @@ class ModelConfig:
     @property
     def kv_cache_floats(self) -> int:
         """Floats the KV cache holds per token per layer: the latent and the roped key part under MLA (576 for
-        DeepSeek-V3, in both file layouts), else a key and a value per KV head."""
-        return self.kv_lora_rank + self.rope_dim if self.kv_lora_rank else 2 * self.kv_dim
+        DeepSeek-V3, in both file layouts), else a key and a value per KV head (of the widest layer, when step35's
+        layers have different KV head counts)."""
+        if self.kv_lora_rank:
+            return self.kv_lora_rank + self.rope_dim
+        return 2 * self.head_dim * max(self.kv_heads(i) for i in range(self.n_layer))
 
     def is_moe(self, layer: int) -> bool:
         """Whether *layer* routes to experts (else it has a dense FFN and nothing to dispatch)."""
