@@ -85,3 +85,24 @@ def test_every_step35_feature_of_the_random_model_matters(model_dir, monkeypatch
     STEP35_ABLATIONS[feature](bb, monkeypatch)
     c = compare(bb.forward(TOKENS, KVCache(), hook), llamacpp_logits(path, TOKENS))
     assert c.min_cosine < 0.9999, c
+
+
+def test_without_a_swa_rope_base_the_swa_layers_use_10000_as_llamacpp(tmp_path):
+    """A file without rope.freq_base_swa: llama.cpp's SWA layers rotate with its default base 10000, not the file's
+    rope.freq_base (50000 here); so do ours, and using the file's base on them fails the gate."""
+    pytest.importorskip("llama_cpp")
+    from experts.random_model import random_config, write_random_model
+    from experts.reference import llamacpp_logits
+
+    cfg = dataclasses.replace(random_config("step35", **SHAPE), rope_theta=50000.0, rope_theta_swa=0.0)
+    path = tmp_path / "no-swa-base.gguf"
+    write_random_model(path, cfg)
+    model = GGUFModel(path)
+    assert "step35.rope.freq_base_swa" not in model.reader.fields and model.cfg.rope_base(1) == 10000.0 and model.cfg.rope_base(0) == 50000.0
+    bb, hook = engine(model, "reference")
+    ref = llamacpp_logits(path, TOKENS)
+    ours = bb.forward(TOKENS, KVCache(), hook)
+    c = compare(ours, ref)
+    assert c.min_cosine >= 0.99999 and (ours.argmax(-1) == ref.argmax(-1)).all(), c
+    bb.cfg = dataclasses.replace(bb.cfg, rope_theta_swa=0.0)
+    assert compare(bb.forward(TOKENS, KVCache(), hook), ref).min_cosine < 0.9999
