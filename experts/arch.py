@@ -107,6 +107,14 @@ class ArchSpec:
     gdn_tiled_v: bool = False  # V heads stored tiled (v head j reads k head j % n_k), not grouped (j // (n_v / n_k))
     gdn_split_ba: bool = False  # ssm_beta + ssm_alpha (n_v, n_embd) each, not one ssm_ba of per-k-head [beta, alpha] rows
     gdn_ssm_in: bool = False  # a legacy ssm_in (per k head [q, k, v, z]) may replace attn_qkv + attn_gate
+    # step35 (src/models/step35.cpp):
+    layer_heads: bool = False  # attention.head_count / head_count_kv may be per-layer arrays of different counts
+    swa_layers: bool = False  # attention.sliding_window and a per-layer sliding_window_pattern bool array are required
+    half_rot_full: bool = False  # full-attention layers rotate half of rope.dimension_count, SWA layers all of it
+    rope_freqs_swa: bool = True  # rope_freqs factors apply on SWA layers too (step35: full-attention layers only)
+    swa_rope_base: float = 0.0  # SWA layers' RoPE base when the file has no rope.freq_base_swa; 0: rope.freq_base
+    head_gate: bool = False  # optional attn_gate.weight (n_head, n_embd): each head's output times sigmoid(its gate . x)
+    swiglu_clamps: bool = False  # per-layer swiglu_clamp_exp (routed experts) / swiglu_clamp_shexp (shared, dense FFNs)
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -369,6 +377,36 @@ ARCHS: dict[str, ArchSpec] = {
         delta_net=True,
         gdn_tiled_v=True,
         gdn_split_ba=True,
+    ),
+    # src/models/step35.cpp (Step-3.5-Flash / Step-3.7-Flash): per-layer head counts and SWA flags, full-attention
+    # layers rotating half the RoPE dims with llama3 rope_freqs and SWA layers all of them with their own base, optional
+    # per-head q/k norm, a per-head sigmoid output gate; DeepSeek-V3's router from the file (sigmoid by default) with an
+    # optional selection bias, leading dense layers, a plain shared expert, per-layer SwiGLU clamps; MTP blocks never run.
+    "step35": ArchSpec(
+        name="step35",
+        rope=RopeStyle.NEOX,
+        norm_topk=False,
+        shared_expert=SharedExpert.PLAIN,
+        qk_norm=QKNorm.PER_HEAD,
+        qkv_bias=False,
+        tied_output_allowed=False,
+        n_ff_exp_key="expert_feed_forward_length",
+        gating=Gating.SIGMOID,
+        gating_from_file=True,
+        norm_from_file=True,
+        scale_from_file=True,
+        selection_bias=True,
+        dense_lead=True,
+        shexp_key_only=True,
+        rope_freqs=True,
+        optional_tensors=("exp_probs_b.bias", "attn_q_norm.weight", "attn_k_norm.weight", "attn_gate.weight", "rope_freqs.weight"),
+        layer_heads=True,
+        swa_layers=True,
+        half_rot_full=True,
+        rope_freqs_swa=False,
+        swa_rope_base=10000.0,
+        head_gate=True,
+        swiglu_clamps=True,
     ),
 }
 

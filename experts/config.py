@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .arch import ArchSpec, Gating, arch_spec
-from .moe import Router
+from .arch import Activation, ArchSpec, Gating, arch_spec
+from .moe import OAI_LIMIT, Glu, Router
 
 # Fields added after the first digests were published: left out of the config line (and so of the
 # model digest) while at their default, so every older model keeps its digest.
@@ -59,6 +59,18 @@ class ModelConfig:
     ssm_k_heads: int = field(default=0, metadata=_LATER)  # ssm.group_count
     ssm_v_heads: int = field(default=0, metadata=_LATER)  # ssm.time_step_rank (ssm.inner_size = S * this)
     layer_kinds: str = field(default="", metadata=_LATER)
+    # Per-layer arrays as the file has them (one entry per block, MTP blocks included); (): the scalar everywhere.
+    n_head_layers: tuple[int, ...] = field(default=(), metadata=_LATER)  # attention.head_count array; () : n_head
+    n_head_kv_layers: tuple[int, ...] = field(default=(), metadata=_LATER)  # attention.head_count_kv array; (): n_head_kv
+    swa_pattern: tuple[bool, ...] = field(default=(), metadata=_LATER)  # sliding_window_pattern array; (): swa_period decides
+    # SwiGLU clamps (step35's swiglu_clamp_exp / swiglu_clamp_shexp): part of the config line, so they reach a worker in
+    # its slice's hyper-parameters and enter the model digest; (): no clamp
+    clamp_exp: tuple[float, ...] = field(default=(), metadata=_LATER)
+    clamp_shexp: tuple[float, ...] = field(default=(), metadata=_LATER)
+
+    def __post_init__(self) -> None:
+        for f in ("n_head_layers", "n_head_kv_layers", "swa_pattern", "clamp_exp", "clamp_shexp"):  # a config line has lists
+            object.__setattr__(self, f, tuple(getattr(self, f)))
 
     @property
     def spec(self) -> ArchSpec:
@@ -76,6 +88,32 @@ class ModelConfig:
     def rope_dim(self) -> int:
         return self.n_rot or self.head_dim
 
+    def heads(self, layer: int) -> int:
+        """Query heads of *layer* (llama.cpp's ``hparams.n_head(il)``)."""
+        return self.n_head_layers[layer] if self.n_head_layers else self.n_head
+
+    def kv_heads(self, layer: int) -> int:
+        return self.n_head_kv_layers[layer] if self.n_head_kv_layers else self.n_head_kv
+
+    def rope_dim_at(self, layer: int) -> int:
+        """Rotated dims of a head on *layer*: step35's full-attention layers rotate half (llama.cpp's n_rot_full /= 2)."""
+        return self.rope_dim // 2 if self.spec.half_rot_full and not self.is_swa(layer) else self.rope_dim
+
+    @property
+    def rope_freqs_len(self) -> int:
+        """Entries of rope_freqs.weight: half the widest rotation of any layer (llama.cpp's n_rot_max / 2)."""
+        return max(self.rope_dim_at(i) for i in range(self.n_layer)) // 2
+
+    def glu_exp(self, layer: int) -> Glu:
+        """The routed experts' activation on *layer*: gpt-oss's SwiGLU-OAI (clamped at 7), or SwiGLU with the layer's clamp."""
+        if self.spec.expert_act is Activation.SWIGLU_OAI:
+            return Glu(Activation.SWIGLU_OAI, OAI_LIMIT)
+        return Glu(Activation.SILU, self.clamp_exp[layer] if self.clamp_exp else 0.0)
+
+    def glu_shexp(self, layer: int) -> Glu:
+        """The shared expert's and the dense FFN's activation on *layer* (llama.cpp's build_ffn: swiglu_clamp_shexp)."""
+        return Glu(Activation.SILU, self.clamp_shexp[layer] if self.clamp_shexp else 0.0)
+
     @property
     def gguf_kv_lengths(self) -> tuple[int, int]:
         """attention.key_length / value_length as llama.cpp reads them: an absorbed MLA file states its one cached
@@ -89,8 +127,11 @@ class ModelConfig:
     @property
     def kv_cache_floats(self) -> int:
         """Floats the KV cache holds per token per layer: the latent and the roped key part under MLA (576 for
-        DeepSeek-V3, in both file layouts), else a key and a value per KV head."""
-        return self.kv_lora_rank + self.rope_dim if self.kv_lora_rank else 2 * self.kv_dim
+        DeepSeek-V3, in both file layouts), else a key and a value per KV head (of the widest layer, when step35's
+        layers have different KV head counts)."""
+        if self.kv_lora_rank:
+            return self.kv_lora_rank + self.rope_dim
+        return 2 * self.head_dim * max(self.kv_heads(i) for i in range(self.n_layer))
 
     @property
     def gdn_key_dim(self) -> int:
@@ -139,6 +180,8 @@ class ModelConfig:
 
     def is_swa(self, layer: int) -> bool:
         """Whether *layer* attends only to the last ``n_swa`` positions (llama.cpp's ``hparams.is_swa``)."""
+        if self.swa_pattern:
+            return self.n_swa > 0 and self.swa_pattern[layer]
         p = self.swa_period
         return self.n_swa > 0 and (p == 0 or layer % p < p - 1)
 

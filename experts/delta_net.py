@@ -34,6 +34,7 @@ import numpy as np
 from .config import ModelConfig
 from .dense_weights import DenseWeights, Linear, PackedWeights
 from .gguf_model import GGUFModel
+from .moe import sigmoid
 
 CHECKPOINT_EVERY = 64  # positions between kept matrix states of a recurrent layer
 
@@ -47,11 +48,6 @@ def softplus(x: np.ndarray) -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         return x / (np.float32(1.0) + np.exp(-x))
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 
 
 def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .gguf_model import GGUFModel, dequantize_bytes
 from .kernels import Kernel, QuantWeight
-from .moe import expert_ffn, tiled_matmul
+from .moe import SWIGLU, Glu, expert_ffn, tiled_matmul
 
 
 def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -59,14 +59,15 @@ class PackedLinear:
 
 @dataclass(frozen=True)
 class DenseFFN:
-    """SwiGLU on float32 copies of (gate, up, down) (today's path)."""
+    """SwiGLU (clamped where the layer says: step35) on float32 copies of (gate, up, down) (today's path)."""
 
     gate: np.ndarray
     up: np.ndarray
     down: np.ndarray
+    glu: Glu = SWIGLU
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return expert_ffn(x, self.gate, self.up, self.down)
+        return expert_ffn(x, self.gate, self.up, self.down, self.glu)
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,10 @@ class PackedFFN:
     up: QuantWeight
     down: QuantWeight
     kernel: Kernel
+    glu: Glu = SWIGLU
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.kernel.expert_ffn(x, np.zeros(x.shape[0], dtype=np.int32), self.gate, self.up, self.down)
+        return self.kernel.expert_ffn(x, np.zeros(x.shape[0], dtype=np.int32), self.gate, self.up, self.down, self.glu)
 
 
 Linear = DenseLinear | PackedLinear
@@ -96,8 +98,8 @@ class DenseWeights:
         """The matrix *name*, or a range of its rows (one projection of a fused attn_qkv)."""
         return DenseLinear(np.ascontiguousarray(self.model.dense(name)[rows]))
 
-    def ffn(self, gate: str, up: str, down: str) -> DenseFFN:
-        return DenseFFN(self.model.dense(gate), self.model.dense(up), self.model.dense(down))
+    def ffn(self, gate: str, up: str, down: str, glu: Glu = SWIGLU) -> DenseFFN:
+        return DenseFFN(self.model.dense(gate), self.model.dense(up), self.model.dense(down), glu)
 
     def stacked(self, name: str) -> list[DenseLinear]:
         """One linear per outermost index of a 3-D tensor (deepseek2's per-head attn_k_b / attn_v_b)."""
@@ -123,8 +125,8 @@ class PackedWeights:
         data = w.data[rows]
         return PackedLinear(QuantWeight(data, w.qtype, (data.shape[0], w.shape[1])), self.kernel)
 
-    def ffn(self, gate: str, up: str, down: str) -> PackedFFN:
-        return PackedFFN(self._packed(gate, True), self._packed(up, True), self._packed(down, True), self.kernel)
+    def ffn(self, gate: str, up: str, down: str, glu: Glu = SWIGLU) -> PackedFFN:
+        return PackedFFN(self._packed(gate, True), self._packed(up, True), self._packed(down, True), self.kernel, glu)
 
     def stacked(self, name: str) -> list[PackedLinear]:
         """One linear per outermost index of a 3-D tensor, each on its own (contiguous) bytes of the map."""

@@ -4,7 +4,7 @@ Every matmul is batch invariant (see :mod:`experts.moe`): a token's logits are t
 bits whether it is decoded alone, verified in a speculative draft or batched with other
 sequences, which is what makes those optimisations exactly output-preserving.
 
-Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / llama4 / deepseek2 / qwen3next / qwen35moe (and the extras in experts/arch.py; the gated delta-net layers in experts/delta_net.py): the per-arch
+Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / llama4 / deepseek2 / qwen3next / qwen35moe / step35 (and the extras in experts/arch.py; the gated delta-net layers in experts/delta_net.py): the per-arch
 differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
 thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> Future[routed_sum]``
 (llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe` through
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arch import QKNorm, RopeStyle, SharedExpert
-from .delta_net import DeltaNet, advance, sigmoid
+from .delta_net import DeltaNet, advance
 from .dense_weights import FFN, DenseLinear, DenseWeights, Linear, PackedWeights, mm, weights_for
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
 from .kernels import Kernel
-from .moe import route, slot_sum, softmax, weight_inputs
+from .moe import route, sigmoid, slot_sum, softmax, weight_inputs
 
 # The hook returns a Future of the routed sum, always: the forward computes the shared expert (an
 # independent additive term) while a remote round trip is in flight, then waits, in one place.
@@ -251,6 +251,7 @@ class Layer:
     ffn: FFN | None  # a dense layer's FFN
     mla: MLA | None = None
     gdn: DeltaNet | None = None
+    head_gate: Linear | None = None  # attn_gate (step35): each head's attention output times sigmoid(its row . x)
 
 
 class Backbone:
@@ -281,7 +282,7 @@ class Backbone:
             shexp = None
             if moe and cfg.n_ff_shexp and self.spec.shared_expert is not SharedExpert.NONE:
                 gate = d(b + "ffn_gate_inp_shexp.weight") if self.spec.shared_expert is SharedExpert.SIGMOID_GATED else None
-                shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight"))
+                shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight", cfg.glu_shexp(i)))
             mla = MLA.load(model, lin, b) if self.spec.mla else None
             gdn = DeltaNet.load(model, lin, b) if cfg.is_recurrent(i) else None
             q, k, v = self._qkv(lin, b) if mla is None and gdn is None else (None, None, None)
@@ -304,9 +305,10 @@ class Backbone:
                     router_bias=opt(b + "ffn_gate_inp.bias") if moe else None,
                     selection_bias=opt(b + "exp_probs_b.bias") if moe else None,
                     shexp=shexp,
-                    ffn=None if moe else lin.ffn(b + "ffn_gate.weight", b + "ffn_up.weight", b + "ffn_down.weight"),
+                    ffn=None if moe else lin.ffn(b + "ffn_gate.weight", b + "ffn_up.weight", b + "ffn_down.weight", cfg.glu_shexp(i)),
                     mla=mla,
                     gdn=gdn,
+                    head_gate=lin.linear(b + "attn_gate.weight") if model.has(b + "attn_gate.weight") else None,
                 )
             )
         self.router_params = cfg.router
@@ -330,7 +332,7 @@ class Backbone:
         if L.gdn is not None:
             return self.linear_attention(i, L.gdn, h, pos, cache)
         assert L.wq is not None and L.wk is not None and L.wv is not None and L.wo is not None, f"layer {i} has no attention projections"
-        n, hd = h.shape[0], cfg.head_dim
+        n, hd, n_head, n_kv = h.shape[0], cfg.head_dim, cfg.heads(i), cfg.kv_heads(i)
         q, k, v = L.wq(h), L.wk(h), L.wv(h)
         gate = None
         if self.spec.delta_net:  # qwen3next's fused Q+gate: per head [q, gate]
@@ -341,24 +343,26 @@ class Backbone:
         whole = self.spec.qk_norm is QKNorm.WHOLE  # norm the flat projection, before the split into heads
         if whole:
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
-        q = q.reshape(n, cfg.n_head, hd)
-        k = k.reshape(n, cfg.n_head_kv, hd)
-        v = v.reshape(n, cfg.n_head_kv, hd)
+        q = q.reshape(n, n_head, hd)
+        k = k.reshape(n, n_kv, hd)
+        v = v.reshape(n, n_kv, hd)
         if L.q_norm is not None and not whole:
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
         if cfg.uses_rope(i):
-            base = cfg.rope_base(i)
-            q = rope(q, pos, base, self.spec.rope, cfg.rope_dim, self.yarn, self.rope_freqs)
-            k = rope(k, pos, base, self.spec.rope, cfg.rope_dim, self.yarn, self.rope_freqs)
+            base, n_rot = cfg.rope_base(i), cfg.rope_dim_at(i)
+            factors = self.rope_freqs if self.spec.rope_freqs_swa or not cfg.is_swa(i) else None
+            factors = None if factors is None else factors[: n_rot // 2]  # step35: one tensor for every layer's width
+            q = rope(q, pos, base, self.spec.rope, n_rot, self.yarn, factors)
+            k = rope(k, pos, base, self.spec.rope, n_rot, self.yarn, factors)
             if self.qk_norm_after_rope:
                 one = np.float32(1.0)
                 q, k = rms_norm(q, one, cfg.rms_eps), rms_norm(k, one, cfg.rms_eps)
         elif self.spec.attn_temp is not None:
             q = q * attn_temperature(pos, self.spec.attn_temp)[:, None, None]
         cache.extend(i, k, v)
-        rep = cfg.n_head // cfg.n_head_kv
+        rep = n_head // n_kv
         scale = np.float32(1.0 / np.sqrt(hd))
-        out = np.empty((n, cfg.n_head, hd), dtype=np.float32)
+        out = np.empty((n, n_head, hd), dtype=np.float32)
         # One query row at a time over exactly its causal keys (on an SWA layer the last n_swa of them, or those
         # of its chunk: cfg.first_key): the same shapes (and so the same bits) whether the row is decoded alone,
         # verified inside a speculative draft, or batched.
@@ -369,7 +373,9 @@ class Backbone:
             V = np.ascontiguousarray(np.repeat(cache.v[i][s0:t], rep, axis=1).transpose(1, 0, 2))  # (heads, t, hd)
             scores = np.matmul(q[r][:, None, :], K) * scale  # (heads, 1, t)
             out[r] = np.matmul(sink_softmax(scores, L.sinks), V)[:, 0, :]
-        flat = out.reshape(n, cfg.q_dim)
+        if L.head_gate is not None:
+            out = out * sigmoid(L.head_gate(h))[:, :, None]
+        flat = out.reshape(n, n_head * hd)
         y = L.wo(flat if gate is None else flat * sigmoid(gate))
         return y if L.bo is None else y + L.bo
 

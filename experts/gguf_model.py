@@ -66,13 +66,15 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         return _field(reader, a + key, required=False, default=default)
 
     n_embd = int(_field(reader, a + "embedding_length"))
-    n_head = int(_field(reader, a + "attention.head_count"))
     n_nextn = int(opt("nextn_predict_layers", 0))
-    n_layer = int(_field(reader, a + "block_count")) - n_nextn  # llama.cpp never runs the MTP blocks
+    n_all = int(_field(reader, a + "block_count"))
+    n_layer = n_all - n_nextn  # llama.cpp never runs the MTP blocks
+    layered = _read_layer_arrays(reader, a, n_all)
+    n_head, n_head_kv = layered.pop("n_head"), layered.pop("n_head_kv")
     n_expert = int(opt("expert_count", 0))
     if n_expert == 0:
         raise ModelFormatError(f"{a}expert_count is missing or 0: this is a dense model, not a Mixture-of-Experts one")
-    n_ff_exp = int(_field(reader, a + spec.n_ff_exp_key))
+    n_ff_exp = _one_value(_field(reader, a + spec.n_ff_exp_key), a + spec.n_ff_exp_key)
     n_ff_shexp = 0
     if spec.shexp_from_count:
         n_shared = int(_field(reader, a + "expert_shared_count"))
@@ -96,6 +98,11 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     gdn = _read_delta_net(reader, a, n_layer) if spec.delta_net else {}
     head_dim = mla.pop("head_dim", head_dim)
     n_rot = int(opt("rope.dimension_count", head_dim))
+    if not spec.mla and int(opt("attention.value_length", head_dim)) != head_dim:
+        raise ModelFormatError(f"{a}attention.value_length differs from the key length {head_dim}; moeswarm's attention needs equal K and V heads")
+    for key, same in (("attention.key_length_swa", head_dim), ("attention.value_length_swa", head_dim), ("rope.dimension_count_swa", n_rot)):
+        if int(opt(key, same)) != same:  # llama.cpp's loader reads them for every arch
+            raise ModelFormatError(f"{a}{key} is {opt(key, same)}, not {same}: other head or RoPE sizes on SWA layers are not supported")
     gating = None
     if spec.gating_from_file:
         code = _field(reader, a + "expert_gating_func", required=spec.gating is None, default=0)
@@ -108,7 +115,13 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     if n_groups > 1 and not (n_expert % n_groups == 0 and 0 < n_group_used < n_groups < n_expert):  # llama.cpp asserts the same
         raise ModelFormatError(f"{a}expert_group_count {n_groups} / expert_group_used_count {n_group_used} do not fit {n_expert} experts (llama.cpp needs 0 < used < groups < experts, groups dividing the experts)")
     n_swa = swa_period = 0
-    if spec.swa_period:
+    if spec.swa_layers:  # step35: a window and one SWA flag per block (llama.cpp's get_arr: any other type is refused)
+        n_swa = int(_field(reader, a + "attention.sliding_window"))
+        pattern = _field(reader, a + "attention.sliding_window_pattern")
+        if not isinstance(pattern, list) or len(pattern) != n_all:
+            raise ModelFormatError(f"{a}attention.sliding_window_pattern must be an array of {n_all} per-layer flags for {arch}")
+        layered["swa_pattern"] = tuple(bool(x) for x in pattern)
+    elif spec.swa_period:
         n_swa = int(_field(reader, a + "attention.sliding_window"))
         swa_period = opt("attention.sliding_window_pattern", spec.swa_period)
         if not isinstance(swa_period, int):  # llama.cpp's get_key_or_arr into one period: a per-layer array is another arch's
@@ -135,7 +148,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         n_embd=n_embd,
         n_layer=n_layer,
         n_head=n_head,
-        n_head_kv=int(opt("attention.head_count_kv", n_head)),
+        n_head_kv=n_head_kv,
         head_dim=head_dim,
         n_expert=n_expert,
         n_expert_used=int(_field(reader, a + "expert_used_count")),
@@ -147,7 +160,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         name=str(_field(reader, "general.name", required=False, default=arch)),
         n_nextn=n_nextn,
         n_dense_lead=n_dense_lead,
-        n_ff_dense=int(_field(reader, a + "feed_forward_length")) if has_dense else 0,
+        n_ff_dense=_one_value(_field(reader, a + "feed_forward_length"), a + "feed_forward_length") if has_dense else 0,
         n_rot=0 if n_rot == head_dim else n_rot,
         gating=gating,
         norm_topk=bool(opt("expert_weights_norm", False)) if spec.norm_from_file else None,
@@ -156,12 +169,14 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         n_group_used=n_group_used,
         n_swa=n_swa,
         swa_period=int(swa_period),
-        rope_theta_swa=float(opt("rope.freq_base_swa", 0.0)) if n_swa else 0.0,
+        rope_theta_swa=float(opt("rope.freq_base_swa", spec.swa_rope_base)) if n_swa else 0.0,
         yarn_factor=float(opt("rope.scaling.factor", 0.0)) if yarn else 0.0,  # absent: factor 1, YaRN changes nothing
         yarn_orig_ctx=int(opt("rope.scaling.original_context_length", n_ctx)) if yarn else 0,
         **mla,
         moe_step=moe_step,
         **gdn,
+        **layered,
+        **(_read_clamps(reader, a, n_all) if spec.swiglu_clamps else {}),
     )
 
 
@@ -184,6 +199,52 @@ def _read_delta_net(reader: gguf.GGUFReader, a: str, n_layer: int) -> dict:
             raise ModelFormatError(f"{a}full_attention_interval is {interval}; it must be at least 1")
         kinds = "".join("r" if (i + 1) % interval else "a" for i in range(n_layer))
     return {"ssm_conv": ssm["conv_kernel"], "ssm_state": state, "ssm_k_heads": n_k, "ssm_v_heads": n_v, "layer_kinds": kinds}
+
+
+def _one_value(value, key: str) -> int:
+    """A key llama.cpp reads with get_key_or_arr into one value per layer, where moeswarm supports one value for all."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ModelFormatError(f"{key} differs between layers ({value}); moeswarm supports one value for every layer")
+        value = value[0]
+    return int(value)
+
+
+def _read_layer_arrays(reader: gguf.GGUFReader, a: str, n_all: int) -> dict:
+    """attention.head_count / head_count_kv, a number or one per block (llama.cpp's get_key_or_arr, which needs
+    exactly block_count entries; the KV count defaults to the head count). An array of one count reads as that
+    count, so such files keep their digests; other arrays only for archs that run per-layer heads (step35)."""
+    arch = a[:-1]
+    heads = _field(reader, a + "attention.head_count")
+    kv = _field(reader, a + "attention.head_count_kv", required=False, default=heads)
+    out: dict = {}
+    for value, key, name in ((heads, "attention.head_count", "n_head"), (kv, "attention.head_count_kv", "n_head_kv")):
+        if isinstance(value, list) and len(value) != n_all:
+            raise ModelFormatError(f"{a}{key} has {len(value)} entries; llama.cpp needs one per block ({n_all})")
+        counts = tuple(int(x) for x in (value if isinstance(value, list) else [value]))
+        if 0 in counts:
+            raise ModelFormatError(f"{a}{key} is 0 on some layer: attention-free layers are not supported")
+        out[name] = counts[0]
+        if len(set(counts)) > 1:
+            if not arch_spec(arch).layer_heads:
+                raise ModelFormatError(f"{a}{key} differs between layers; {arch} runs one head count on every layer")
+            out[name + "_layers"] = counts
+    return out
+
+
+def _read_clamps(reader: gguf.GGUFReader, a: str, n_all: int) -> dict:
+    """step35's SwiGLU clamps, a number or one per block (both optional: none means no clamp), as float32 values."""
+    out = {}
+    for key, field_ in (("swiglu_clamp_exp", "clamp_exp"), ("swiglu_clamp_shexp", "clamp_shexp")):
+        value = _field(reader, a + key, required=False, default=None)
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value] * n_all
+        if len(values) != n_all:
+            raise ModelFormatError(f"{a}{key} has {len(values)} entries; llama.cpp needs one per block ({n_all})")
+        if any(v > 1e-6 for v in values):
+            out[field_] = tuple(float(np.float32(v)) for v in values)
+    return out
 
 
 def _read_mla(reader: gguf.GGUFReader, a: str, key_length: int) -> dict:

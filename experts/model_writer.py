@@ -31,9 +31,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "output.weight": (cfg.n_vocab, d),
     }
     if spec.rope_freqs:
-        shapes["rope_freqs.weight"] = (cfg.rope_dim // 2,)
+        shapes["rope_freqs.weight"] = (cfg.rope_freqs_len,)
     for i in range(cfg.n_layer + cfg.n_nextn):
         b = f"blk.{i}."
+        q_dim, kv_dim = cfg.heads(i) * cfg.head_dim, cfg.kv_heads(i) * cfg.head_dim
         # Insertion order is the random models' draw order: keep it, or every random model's weights (and digest) change.
         shapes[b + "attn_norm.weight"] = (d,)
         if spec.mla:
@@ -45,10 +46,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[b + "attn_output.weight"] = (d, cfg.q_dim)
         else:
             if spec.fused_qkv:
-                shapes[b + "attn_qkv.weight"] = (cfg.q_dim + 2 * cfg.kv_dim, d)
+                shapes[b + "attn_qkv.weight"] = (q_dim + 2 * kv_dim, d)
             else:
-                shapes |= {b + "attn_q.weight": (cfg.q_dim, d), b + "attn_k.weight": (cfg.kv_dim, d), b + "attn_v.weight": (cfg.kv_dim, d)}
-            shapes[b + "attn_output.weight"] = (d, cfg.q_dim)
+                shapes |= {b + "attn_q.weight": (q_dim, d), b + "attn_k.weight": (kv_dim, d), b + "attn_v.weight": (kv_dim, d)}
+            shapes[b + "attn_output.weight"] = (d, q_dim)
+            if spec.head_gate:
+                shapes[b + "attn_gate.weight"] = (cfg.heads(i), d)
         shapes[b + spec.ffn_norm + ".weight"] = (d,)
         if cfg.is_moe(i):
             shapes |= {
@@ -68,18 +71,18 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {b + "ffn_gate.weight": (f, d), b + "ffn_up.weight": (f, d), b + "ffn_down.weight": (d, f)}
         if spec.qkv_bias:
             shapes |= {
-                b + "attn_q.bias": (cfg.q_dim,),
-                b + "attn_k.bias": (cfg.kv_dim,),
-                b + "attn_v.bias": (cfg.kv_dim,),
+                b + "attn_q.bias": (q_dim,),
+                b + "attn_k.bias": (kv_dim,),
+                b + "attn_v.bias": (kv_dim,),
             }
         if spec.attn_out_bias:
             shapes[b + "attn_output.bias"] = (d,)
         if spec.attn_sinks:
-            shapes[b + "attn_sinks.weight"] = (cfg.n_head,)
+            shapes[b + "attn_sinks.weight"] = (cfg.heads(i),)
         if spec.qk_norm is QKNorm.PER_HEAD and not cfg.is_recurrent(i):
             shapes |= {b + "attn_q_norm.weight": (cfg.head_dim,), b + "attn_k_norm.weight": (cfg.head_dim,)}
         elif spec.qk_norm is QKNorm.WHOLE:
-            shapes |= {b + "attn_q_norm.weight": (cfg.q_dim,), b + "attn_k_norm.weight": (cfg.kv_dim,)}
+            shapes |= {b + "attn_q_norm.weight": (q_dim,), b + "attn_k_norm.weight": (kv_dim,)}
         if cfg.n_ff_shexp and cfg.is_moe(i):
             s = cfg.n_ff_shexp
             if spec.shared_expert is SharedExpert.SIGMOID_GATED:
@@ -168,8 +171,8 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     w.add_embedding_length(cfg.n_embd)
     w.add_block_count(cfg.n_layer + cfg.n_nextn)
     w.add_feed_forward_length(cfg.n_ff_dense or cfg.n_ff_exp)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_head_kv)
+    w.add_head_count(list(cfg.n_head_layers) or cfg.n_head)
+    w.add_head_count_kv(list(cfg.n_head_kv_layers) or cfg.n_head_kv)
     key_length, value_length = cfg.gguf_kv_lengths
     w.add_key_length(key_length)
     w.add_value_length(value_length)
@@ -204,7 +207,11 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
             w.add_sliding_window_pattern(cfg.swa_period)
     elif cfg.n_swa:
         w.add_sliding_window(cfg.n_swa)
-        w.add_sliding_window_pattern(cfg.swa_period)
+        w.add_sliding_window_pattern(list(cfg.swa_pattern) or cfg.swa_period)
+    if cfg.clamp_exp:
+        w.add_swiglu_clamp_exp(list(cfg.clamp_exp))
+    if cfg.clamp_shexp:
+        w.add_swiglu_clamp_shexp(list(cfg.clamp_shexp))
     if cfg.rope_theta_swa:
         w.add_rope_freq_base_swa(cfg.rope_theta_swa)
     if cfg.kv_lora_rank:

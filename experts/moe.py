@@ -126,20 +126,47 @@ def tiled_matmul(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
 
 # SwiGLU-OAI (gpt-oss), as ggml's swiglu_oai: gate capped, up clipped, sigmoid sharpened, up shifted by 1.
 OAI_ALPHA = np.float32(1.702)
-OAI_LIMIT = np.float32(7.0)
+OAI_LIMIT = 7.0
+# llama.cpp applies a SwiGLU clamp only above this limit (build_moe_ffn / build_ffn: ``limit > 1e-6f``).
+CLAMP_EPS = 1e-6
 
 
-def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """min(g, 7) * sigmoid(1.702 min(g, 7)) * (clip(u, -7, 7) + 1), element by element in float32."""
-    x = np.minimum(g, OAI_LIMIT)
-    y = np.clip(u, -OAI_LIMIT, OAI_LIMIT)
+@dataclass(frozen=True)
+class Glu:
+    """An FFN's gated activation and its clamp: what a worker must know of a layer to compute its experts.
+
+    gpt-oss's SwiGLU-OAI always clamps at 7; step35 clamps plain SwiGLU by a per-layer limit from the file
+    (``swiglu_clamp_exp`` for routed experts, ``swiglu_clamp_shexp`` for shared and dense FFNs), which reaches a
+    worker in its slice's hyper-parameters. ``limit`` 0 (or <= 1e-6, as llama.cpp tests it): no clamp.
+    """
+
+    act: Activation = Activation.SILU
+    limit: float = 0.0
+
+    @property
+    def clamps(self) -> bool:
+        return self.limit > CLAMP_EPS
+
+    def __call__(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """The activation of (gate x, up x), element by element in float32."""
+        if self.act is Activation.SWIGLU_OAI:
+            return swiglu_oai(g, u, self.limit)
+        if not self.clamps:
+            return silu(g) * u
+        lim = np.float32(self.limit)  # llama.cpp: up clipped to +-L, silu(gate) capped at L, then their product
+        return np.minimum(silu(g), lim) * np.clip(u, -lim, lim)
+
+
+SWIGLU = Glu()  # plain SwiGLU, no clamp: every FFN's activation but gpt-oss's and step35's
+
+
+def swiglu_oai(g: np.ndarray, u: np.ndarray, limit: float = OAI_LIMIT) -> np.ndarray:
+    """min(g, L) * sigmoid(1.702 min(g, L)) * (clip(u, -L, L) + 1), element by element in float32 (L = 7)."""
+    lim = np.float32(limit)
+    x = np.minimum(g, lim)
+    y = np.clip(u, -lim, lim)
     with np.errstate(over="ignore"):
         return x / (np.float32(1.0) + np.exp(OAI_ALPHA * -x)) * (y + np.float32(1.0))
-
-
-def glu(act: Activation, g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """The expert's gated activation of (gate x, up x)."""
-    return silu(g) * u if act is Activation.SILU else swiglu_oai(g, u)
 
 
 # One expert's biases (gate (ff,), up (ff,), down (d,)): added after each projection, as llama.cpp's add_id.
@@ -147,14 +174,14 @@ Biases = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def expert_ffn(
-    x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, act: Activation = Activation.SILU, bias: Biases | None = None
+    x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, act: Glu = SWIGLU, bias: Biases | None = None
 ) -> np.ndarray:
     """Gated expert: down(act(gate x, up x)) (+ biases after each projection), batch invariant. x (m, d) -> (m, d)."""
     g = tiled_matmul(x, gate.T)
     u = tiled_matmul(x, up.T)
     if bias is not None:
         g, u = g + bias[0], u + bias[1]
-    y = tiled_matmul(glu(act, g, u), down.T)
+    y = tiled_matmul(act(g, u), down.T)
     return y if bias is None else y + bias[2]
 
 
@@ -179,10 +206,9 @@ class ExpertSource:
         """The expert's (gate, up, down) biases, or None for an arch without them (this default)."""
         return None
 
-    @property
-    def activation(self) -> Activation:
-        """The experts' gated activation (this default: SiLU); a source on a model says its arch's."""
-        return Activation.SILU
+    def glu(self, layer: int) -> Glu:
+        """The gated activation of *layer*'s experts (this default: plain SiLU); a source on a model says its own."""
+        return SWIGLU
 
     def partial_sum(self, layer: int, x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """See :func:`partial_sum`."""
@@ -212,7 +238,7 @@ def partial_sum(
     contrib = np.zeros((n, k, x.shape[1]), dtype=np.float32)
     for e in np.unique(expert_ids[held]):
         rows, slots = np.nonzero(held & (expert_ids == e))
-        y = expert_ffn(x[rows], *source.weights(layer, int(e)), source.activation, source.biases(layer, int(e)))
+        y = expert_ffn(x[rows], *source.weights(layer, int(e)), source.glu(layer), source.biases(layer, int(e)))
         contrib[rows, slots] = weights[rows, slots][:, None] * y
     return ordered_sum(contrib, held)
 

@@ -79,7 +79,7 @@ class PackedExperts(HostedExperts):
         if len(experts) and not all(self.holds(layer, int(e)) for e in np.unique(experts)):
             raise SliceError(f"an expert of {np.unique(experts).tolist()} of layer {layer} is not hosted here")
         local = (experts - self.model.experts.start).astype(np.int32)
-        return self.kernel.expert_ffn(x, local, *self.stacks(layer), self.activation, self.stack_biases(layer))
+        return self.kernel.expert_ffn(x, local, *self.stacks(layer), self.glu(layer), self.stack_biases(layer))
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Dequantized weights of one expert (for callers of the ExpertSource interface; not cached)."""

@@ -82,6 +82,11 @@ RANDOM_FEATURES: dict[str, dict] = {
     # vs tiled matters), a trailing MTP block.
     "qwen3next": {"n_nextn": 1, "quarter_rope": True, "attn_interval": 2},
     "qwen35moe": {"n_nextn": 1, "quarter_rope": True, "attn_interval": 2},
+    # step35: a dense lead, odd layers SWA (a 4-token window, their own RoPE base, half again as many query and KV
+    # heads), even layers full attention (half the dims rotated, rope_freqs); DeepSeek-V3's router with groups; an MTP
+    # block; SwiGLU clamps per layer (routed / shared+dense) tight enough to clip on random weights (gate and up ~ N(0, 1)).
+    "step35": {"n_dense_lead": 1, "n_nextn": 1, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2),
+               "n_swa": 4, "rope_theta_swa": 2000.0, "clamps": ((0.0, 1.0, 0.75), (0.5, 1.25, 1.0))},
 }
 
 
@@ -179,7 +184,27 @@ def random_config(
         **mla,
         moe_step=moe_step,
         **gdn,
+        **(_layer_arrays(feat, n_layer + feat.get("n_nextn", 0), n_head, n_head_kv) if spec.swa_layers else {}),
     )
+
+
+def _layer_arrays(feat: dict, n_all: int, n_head: int, n_head_kv: int) -> dict:
+    """step35's per-layer arrays: odd layers SWA with 3/2 the heads (when that divides), the clamps of
+    ``feat["clamps"]`` cycled over the layers."""
+    swa = tuple(i % 2 == 1 for i in range(n_all))
+    wide = n_head % 2 == 0 and n_head_kv % 2 == 0
+
+    def per_layer(n: int) -> tuple[int, ...]:
+        return tuple(n * 3 // 2 if s and wide else n for s in swa)
+
+    exp, shexp = feat["clamps"]
+    return {
+        "n_head_layers": per_layer(n_head) if wide else (),
+        "n_head_kv_layers": per_layer(n_head_kv) if wide else (),
+        "swa_pattern": swa,
+        "clamp_exp": tuple(exp[i % len(exp)] for i in range(n_all)),
+        "clamp_shexp": tuple(shexp[i % len(shexp)] for i in range(n_all)),
+    }
 
 
 def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:

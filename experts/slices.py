@@ -20,13 +20,12 @@ import gguf
 import numpy as np
 import structlog
 
-from .arch import Activation
 from .config import ModelConfig
 from .errors import SliceError
 from .gguf_model import SLICE_PREFIX, ExpertRange, GGUFModel, config_line, model_digest
 from .kernels.reference import ReferenceKernel
 from .model_writer import add_hparams
-from .moe import Biases, ExpertSource, Progress
+from .moe import Biases, ExpertSource, Glu, Progress
 
 log = structlog.get_logger("experts.slices")
 
@@ -149,9 +148,8 @@ class HostedExperts(ExpertSource):
     def holds(self, layer: int, expert: int) -> bool:
         return layer in self.layers and self.model.cfg.is_moe(layer) and expert in self.experts
 
-    @property
-    def activation(self) -> Activation:
-        return self.model.cfg.spec.expert_act
+    def glu(self, layer: int) -> Glu:
+        return self.model.cfg.glu_exp(layer)
 
     def biases(self, layer: int, expert: int) -> Biases | None:
         if not self.holds(layer, expert):

@@ -16,7 +16,7 @@ ARCHS = ("qwen2moe", "qwen3moe", "llama")
 NEW_ARCHS = ("olmoe", "glm4moe", "minimax-m2", "gpt-oss", "llama4")
 NEW_ARCHS += ("qwen3vlmoe", "dots1", "ernie4_5-moe", "bailingmoe2")  # issue 12's cheap extras, held to the same tests
 # Archs of issue 15, in the same tests (test_reference, test_swarm_archs).
-ISSUE15_ARCHS = ("deepseek2", "qwen3next", "qwen35moe")
+ISSUE15_ARCHS = ("deepseek2", "qwen3next", "qwen35moe", "step35")
 Q = gguf.GGMLQuantizationType
 
 

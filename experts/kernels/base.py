@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import gguf
 import numpy as np
 
-from ..arch import Activation
+from ..moe import SWIGLU, Glu
 from .identity import KernelIdentity
 
 Q = gguf.GGMLQuantizationType
@@ -68,9 +68,9 @@ class Kernel(Protocol):
         ...
 
     def expert_ffn(
-        self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Activation = Activation.SILU, bias: ExpertBias | None = None
+        self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Glu = SWIGLU, bias: ExpertBias | None = None
     ) -> np.ndarray:
-        """Gated FFN (*act*, + *bias* after each projection) of expert ``experts[i]`` on row ``x[i]`` for every row: (m, d) float32.
+        """Gated FFN (*act* with its clamp, + *bias* after each projection) of expert ``experts[i]`` on row ``x[i]`` for every row: (m, d) float32.
 
         gate/up are stacks (n_expert, ff, d), down (n_expert, d, ff); a row's result is the same
         whichever other rows and experts share the call.

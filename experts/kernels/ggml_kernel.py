@@ -38,7 +38,7 @@ import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..arch import Activation
-from ..moe import OAI_ALPHA, OAI_LIMIT
+from ..moe import OAI_ALPHA, SWIGLU, Glu
 from .base import QTYPES, ExpertBias, QuantWeight
 from .identity import KernelIdentity
 from .reference import ReferenceKernel
@@ -153,8 +153,21 @@ class GgmlKernel:
         t.contents.nb[2] = data.strides[0]  # a fused gate_up half is a strided view into the file
         return self._bind(t, data)
 
+    @staticmethod
+    def _glu(ctx, act: Glu, yg, yu, bind):
+        """The ops llama.cpp's graphs run for *act*: ggml's SwiGLU-OAI (gpt-oss), plain SwiGLU, or the clamped
+        SwiGLU of build_moe_ffn / build_ffn (step35: up clamped to +-L, silu(gate) capped at L, multiplied).
+        *bind* gives each op's result its (m, ff) buffer (our context allocates none)."""
+        if act.act is Activation.SWIGLU_OAI:
+            return bind(ggml.ggml_swiglu_oai(ctx, yg, yu, float(OAI_ALPHA), float(act.limit)))
+        if not act.clamps:
+            return bind(ggml.ggml_swiglu_split(ctx, yg, yu))
+        up = bind(ggml.ggml_clamp(ctx, yu, -act.limit, act.limit))
+        gate = bind(ggml.ggml_clamp(ctx, bind(ggml.ggml_silu(ctx, yg)), float("-inf"), act.limit))
+        return bind(ggml.ggml_mul(ctx, gate, up))
+
     def expert_ffn(
-        self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Activation = Activation.SILU, bias: ExpertBias | None = None
+        self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Glu = SWIGLU, bias: ExpertBias | None = None
     ) -> np.ndarray:
         if not {gate.qtype, up.qtype, down.qtype} <= NATIVE:
             return self._reference.expert_ffn(x, experts, gate, up, down, act, bias)
@@ -173,7 +186,7 @@ class GgmlKernel:
             keep.append(np.empty(shape, dtype=np.float32))
             return keep[-1]
 
-        ctx = self._context(20)
+        ctx = self._context(24)
         try:
             tg, tu, td = self._stack(ctx, gate), self._stack(ctx, up), self._stack(ctx, down)
             tx = self._bind(ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, d, 1, m), x)
@@ -190,11 +203,7 @@ class GgmlKernel:
 
             yg = project(tg, tx, bias and bias.gate, buf(m, ff))
             yu = project(tu, tx, bias and bias.up, buf(m, ff))
-            if act is Activation.SILU:
-                ya = ggml.ggml_swiglu_split(ctx, yg, yu)
-            else:  # ggml's own SwiGLU-OAI, the op llama.cpp's gpt-oss graph runs
-                ya = ggml.ggml_swiglu_oai(ctx, yg, yu, float(OAI_ALPHA), float(OAI_LIMIT))
-            ya = self._bind(ya, buf(m, ff))
+            ya = self._glu(ctx, act, yg, yu, lambda t: self._bind(t, buf(m, ff)))
             y = project(td, ya, bias and bias.down, out)
             self._compute(ctx, y)
         finally:

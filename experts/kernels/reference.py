@@ -13,9 +13,8 @@ from importlib.metadata import version
 import gguf
 import numpy as np
 
-from ..arch import Activation
 from ..gguf_model import dequantize_bytes
-from ..moe import expert_ffn, tiled_matmul
+from ..moe import SWIGLU, Glu, expert_ffn, tiled_matmul
 from .base import ExpertBias, QuantWeight
 from .identity import KernelIdentity
 
@@ -38,7 +37,7 @@ class ReferenceKernel:
         return tiled_matmul(np.ascontiguousarray(x, dtype=np.float32), w.T)
 
     def expert_ffn(
-        self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Activation = Activation.SILU, bias: ExpertBias | None = None
+        self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Glu = SWIGLU, bias: ExpertBias | None = None
     ) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         experts = np.asarray(experts)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..arch import Activation
 from ..errors import KernelError
-from ..moe import Progress
+from ..moe import OAI_LIMIT, SWIGLU, Glu, Progress
 from .base import QTYPES, ExpertBias, Kernel, QuantWeight
 from .samples import random_expert_stack, random_weight
 
@@ -71,12 +71,14 @@ def self_test(kernel: Kernel, qtypes: Iterable[gguf.GGMLQuantizationType] = QTYP
         down = QuantWeight(random_expert_stack(qtype, n_expert, d, ff, rng), qtype, (n_expert, d, ff))
         experts = rng.integers(0, n_expert, size=MAX_ROWS).astype(np.int32)
         bias = ExpertBias(*(rng.standard_normal((n_expert, n)).astype(np.float32) for n in (ff, ff, d)))
-        # gpt-oss's experts add element-wise ops (SwiGLU-OAI, add_id of the biases) after the same matmuls: once is enough.
-        variants = ((Activation.SILU, None), (Activation.SWIGLU_OAI, bias)) if step == 0 else ((Activation.SILU, None),)
+        # gpt-oss's and step35's experts add element-wise ops (SwiGLU-OAI, add_id of the biases, clamps) after the same
+        # matmuls: once is enough.
+        plain = (SWIGLU, None)
+        variants = (plain, (Glu(Activation.SWIGLU_OAI, OAI_LIMIT), bias), (Glu(Activation.SILU, 0.5), None)) if step == 0 else (plain,)
         for act, b in variants:
             _check(
                 kernel,
-                f"expert FFN {qtype.name} {act.value}{' + biases' if b else ''} ({n_expert} experts, {ff}x{d})",
+                f"expert FFN {qtype.name} {act.act.value}{' clamped' if act.clamps else ''}{' + biases' if b else ''} ({n_expert} experts, {ff}x{d})",
                 lambda i, act=act, b=b: kernel.expert_ffn(x[i], experts[i], gate, up, down, act, b),
                 x,
                 rng,

@@ -31,11 +31,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from experts.arch import Activation
 from experts.forward import Backbone, KVCache, MoeFfn, local_moe
 from experts.gguf_model import GGUFModel
 from experts.kernels import ExpertBias, Kernel, QuantWeight, make_kernel
-from experts.moe import Progress
+from experts.moe import SWIGLU, Glu, Progress
 from experts.packed_experts import PackedExperts
 from experts.random_model import random_config, write_random_model
 from experts.reference import llamacpp
@@ -70,7 +69,7 @@ class TimedKernel:
         finally:
             self.seconds["matmul"] += time.perf_counter() - t0
 
-    def expert_ffn(self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Activation = Activation.SILU, bias: ExpertBias | None = None) -> np.ndarray:
+    def expert_ffn(self, x: np.ndarray, experts: np.ndarray, gate: QuantWeight, up: QuantWeight, down: QuantWeight, act: Glu = SWIGLU, bias: ExpertBias | None = None) -> np.ndarray:
         t0 = time.perf_counter()
         try:
             return self.kernel.expert_ffn(x, experts, gate, up, down, act, bias)

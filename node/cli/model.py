@@ -120,7 +120,7 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
     c = m.cfg
     dense = len(m.layers) - len(m.moe_layers)
     click.echo(f"hidden {c.n_embd}, {c.n_layer} layers ({dense} of these dense, no experts), {c.n_expert} experts top-{c.n_expert_used}, expert FFN {c.n_ff_exp}, shared FFN {c.n_ff_shexp}")
-    click.echo(f"KV cache: {info['kv_cache_bytes_per_token_per_layer']} bytes per token per layer ({c.kv_cache_floats} float32" + (", the MLA latent)" if c.kv_lora_rank else ")"))
+    click.echo(f"KV cache: {info['kv_cache_bytes_per_token_per_layer']} bytes per token per layer ({c.kv_cache_floats} float32" + (", the MLA latent)" if c.kv_lora_rank else ", the widest layer)" if c.n_head_kv_layers else ")"))
     if c.layer_kinds:
         click.echo(
             f"recurrent layers {info['recurrent_layers']}: {info['recurrent_cache_bytes_per_token_per_layer']} bytes per token per layer, "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from experts.arch import Activation
 from experts.kernels import KernelIdentity, ReferenceKernel
+from experts.moe import SWIGLU
 
 
 class VaryingKernel:
@@ -32,5 +32,5 @@ class VaryingKernel:
     def matmul(self, x, weight, qtype, shape):
         return self._vary(self.inner.matmul(x, weight, qtype, shape), x)
 
-    def expert_ffn(self, x, experts, gate, up, down, act=Activation.SILU, bias=None):
+    def expert_ffn(self, x, experts, gate, up, down, act=SWIGLU, bias=None):
         return self._vary(self.inner.expert_ffn(x, experts, gate, up, down, act, bias), x)

@@ -25,6 +25,7 @@ def required_keys(spec: ArchSpec, n_dense_lead: int, n_groups: int) -> set[str]:
     keys |= {"expert_shared_count"} if spec.shexp_from_count else set()
     keys |= {"expert_gating_func"} if spec.gating is None else set()
     keys |= {"attention.sliding_window"} if spec.swa_period else set()
+    keys |= {"attention.sliding_window", "attention.sliding_window_pattern"} if spec.swa_layers else set()
     keys |= {"feed_forward_length"} if n_dense_lead else set()
     keys |= {"expert_group_used_count"} if n_groups > 1 else set()  # without it llama.cpp asserts, we masked every expert
     keys |= {"ssm." + k for k in ("conv_kernel", "inner_size", "state_size", "time_step_rank", "group_count")} if spec.delta_net else set()

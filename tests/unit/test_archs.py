@@ -260,3 +260,66 @@ def test_deepseek2_temperature_tuning_is_refused(tmp_path):
     write_model(p, cfg, random_tensors(cfg), byte_level_tokenizer(), extra_kv={"deepseek2.attention.temperature_scale": 0.5})
     with pytest.raises(ModelFormatError, match="temperature_scale"):
         GGUFModel(p)
+
+
+@pytest.mark.parametrize("kernel_name", ["reference", "ggml"])
+def test_step35_clamps_travel_in_slices_and_reach_the_compute(model_dir, tmp_path, kernel_name):
+    """A slice's hyper-parameters carry every layer's routed-expert clamp (they are in the config line, so in the
+    digest it proves); its sums equal the full file's bit for bit, and differ without the clamp, so it is applied."""
+    full = GGUFModel(make_model(model_dir, "step35", n_layer=3))
+    sl = GGUFModel(write_slice(full, range(1, 3), ExpertRange(2, 6), tmp_path / "s.gguf"))
+    check_slice(sl, full.digest)
+    assert sl.cfg.clamp_exp == full.cfg.clamp_exp and [sl.cfg.glu_exp(i).limit for i in (1, 2)] == [1.0, 0.75]
+    kernel = make_kernel(kernel_name, 1)
+    rng = np.random.default_rng(0)
+    x = 3.0 * rng.standard_normal((5, full.cfg.n_embd)).astype(np.float32)
+    ids = rng.integers(2, 6, size=(5, 2)).astype(np.int32)
+    w = rng.random((5, 2)).astype(np.float32)
+    held = np.ones_like(ids, dtype=bool)
+    for layer in (1, 2):
+        a, _ = open_experts(full, kernel)[0].partial_sum(layer, x, ids, w, held)
+        store = open_experts(sl, kernel)[0]
+        b, _ = store.partial_sum(layer, x, ids, w, held)
+        assert a.tobytes() == b.tobytes()
+        store.glu = lambda layer: dataclasses.replace(sl.cfg.glu_exp(layer), limit=0.0)  # type: ignore[method-assign]
+        c, _ = store.partial_sum(layer, x, ids, w, held)
+        assert not np.allclose(a, c, atol=1e-3)
+
+
+def _file_with(tmp_path, monkeypatch, arch: str, key: str, value) -> GGUFModel:
+    """A random model of *arch* whose writer stores *value* under *key* (full name) instead of the config's."""
+    cfg = random_config(arch, n_layer=3)
+    add = gguf.GGUFWriter.add_key_value
+    with monkeypatch.context() as mp:
+        vtype = gguf.GGUFValueType.ARRAY if isinstance(value, list) else gguf.GGUFValueType.UINT32
+        mp.setattr(gguf.GGUFWriter, "add_key_value", lambda self, k, v, *a, **kw: add(self, k, value, vtype) if k == key else add(self, k, v, *a, **kw))
+        p = tmp_path / f"{arch}.gguf"
+        write_model(p, cfg, random_tensors(cfg), byte_level_tokenizer())
+    return GGUFModel(p)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("step35.attention.sliding_window_pattern", 2, "must be an array of 4 per-layer flags"),
+        ("step35.attention.sliding_window_pattern", [True, False], "must be an array of 4 per-layer flags"),
+        ("step35.attention.head_count", [4, 6], "has 2 entries; llama.cpp needs one per block"),
+        ("step35.swiglu_clamp_exp", [1.0, 1.0], "has 2 entries; llama.cpp needs one per block"),
+        ("step35.expert_feed_forward_length", [32, 64, 32, 32], "differs between layers"),
+        ("step35.attention.value_length", 8, "value_length differs from the key length"),
+    ],
+)
+def test_step35_files_moeswarm_cannot_run_are_refused_in_one_line(tmp_path, monkeypatch, key, value, message):
+    """Per-layer arrays of the wrong length or kind, per-layer expert widths, unequal K/V heads: one line each."""
+    with pytest.raises(ModelFormatError) as err:
+        _file_with(tmp_path, monkeypatch, "step35", key, value)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_per_layer_head_counts_are_refused_for_archs_that_run_one(tmp_path, monkeypatch):
+    """Only step35 runs per-layer head counts; an array of one count reads as that count (the same config line)."""
+    plain = GGUFModel(make_model(tmp_path, "qwen3moe", n_layer=3))
+    same = _file_with(tmp_path, monkeypatch, "qwen3moe", "qwen3moe.attention.head_count", [4, 4, 4])
+    assert same.manifest[0] == plain.manifest[0]
+    with pytest.raises(ModelFormatError, match="attention.head_count differs between layers; qwen3moe runs one head count"):
+        _file_with(tmp_path, monkeypatch, "qwen3moe", "qwen3moe.attention.head_count", [4, 8, 4])

@@ -16,9 +16,11 @@ from experts.gguf_model import GGUFModel, dequantize_bytes
 from experts.kernels import QTYPES, ExpertBias, GgmlKernel, Kernel, KernelIdentity, QuantWeight, ReferenceKernel, self_test
 from experts.kernels.ggml_kernel import FALLBACK
 from experts.kernels.samples import random_expert_stack, random_weight
-from experts.moe import expert_ffn, tiled_matmul
+from experts.moe import OAI_LIMIT, SWIGLU, Glu, expert_ffn, tiled_matmul
 from tests.conftest import make_model
 from tests.doubles.kernels import VaryingKernel
+
+OAI = Glu(Activation.SWIGLU_OAI, OAI_LIMIT)
 
 Q = gguf.GGMLQuantizationType
 D, N, FF, E = 256, 40, 256, 5  # row lengths are multiples of 256 so every K-quant fits
@@ -111,7 +113,7 @@ def test_swiglu_oai_expert_ffn_with_biases_batch_invariant(kernel, qtype):
     gate, up, down = stacks(qtype)
     experts = np.random.default_rng(3).integers(0, E, size=17).astype(np.int32)
     bias = oai_biases()
-    assert_invariant(lambda x, ex: kernel.expert_ffn(x, ex, gate, up, down, Activation.SWIGLU_OAI, bias), rows(17, 2), experts)
+    assert_invariant(lambda x, ex: kernel.expert_ffn(x, ex, gate, up, down, OAI, bias), rows(17, 2), experts)
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.MXFP4], ids=lambda q: q.name)
@@ -122,19 +124,37 @@ def test_swiglu_oai_with_biases_ggml_close_to_reference_and_reference_is_the_for
     x = rows(17, 7)
     ex = np.random.default_rng(8).integers(0, E, size=17).astype(np.int32)
     bias = oai_biases()
-    ref = ReferenceKernel().expert_ffn(x, ex, gate, up, down, Activation.SWIGLU_OAI, bias)
-    got = ggml_kernel.expert_ffn(x, ex, gate, up, down, Activation.SWIGLU_OAI, bias)
+    ref = ReferenceKernel().expert_ffn(x, ex, gate, up, down, OAI, bias)
+    got = ggml_kernel.expert_ffn(x, ex, gate, up, down, OAI, bias)
     assert cosines(got, ref).min() >= (0.999999 if qtype == Q.F32 else FFN_COS)
     gate_max = -np.inf
     for e in np.unique(ex):
         sel = ex == e
         mats = [dequantize_bytes(s.data[e], qtype, s.shape[1:]) for s in (gate, up, down)]
         b = (bias.gate[e], bias.up[e], bias.down[e])
-        np.testing.assert_array_equal(bits(ref[sel]), bits(expert_ffn(x[sel], *mats, Activation.SWIGLU_OAI, b)))
+        np.testing.assert_array_equal(bits(ref[sel]), bits(expert_ffn(x[sel], *mats, OAI, b)))
         gate_max = max(gate_max, float((tiled_matmul(x[sel], mats[0].T) + b[0]).max()))
     assert gate_max > 7.0
-    plain = ReferenceKernel().expert_ffn(x, ex, gate, up, down, Activation.SWIGLU_OAI)
+    plain = ReferenceKernel().expert_ffn(x, ex, gate, up, down, OAI)
     assert cosines(plain, ref).max() < 0.99
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_clamped_swiglu_batch_invariant_ggml_close_to_reference_which_is_the_formula(kernel, ggml_kernel, qtype):
+    """step35's clamped SwiGLU (up clipped to +-L, silu(gate) capped at L): each kernel batch invariant, ggml's clamp
+    ops agree with the numpy reference, whose bits are moe.expert_ffn with the same Glu; the clamp changes the output."""
+    gate, up, down = stacks(qtype)
+    x = rows(17, 7)
+    ex = np.random.default_rng(8).integers(0, E, size=17).astype(np.int32)
+    clamped = Glu(Activation.SILU, 0.5)
+    assert_invariant(lambda x, e: kernel.expert_ffn(x, e, gate, up, down, clamped), x, ex)
+    ref = ReferenceKernel().expert_ffn(x, ex, gate, up, down, clamped)
+    assert cosines(ggml_kernel.expert_ffn(x, ex, gate, up, down, clamped), ref).min() >= (0.999999 if qtype == Q.F32 else FFN_COS)
+    for e in np.unique(ex):
+        sel = ex == e
+        mats = [dequantize_bytes(s.data[e], qtype, s.shape[1:]) for s in (gate, up, down)]
+        np.testing.assert_array_equal(bits(ref[sel]), bits(expert_ffn(x[sel], *mats, clamped)))
+    assert cosines(ReferenceKernel().expert_ffn(x, ex, gate, up, down), ref).max() < 0.99
 
 
 def test_ggml_threads_do_not_change_bits(ggml_kernel):
@@ -268,7 +288,7 @@ def test_self_test_refuses_variation_in_one_type_only():
             out = self.inner.matmul(x, weight, qtype, shape)
             return self._vary(out, x) if qtype == Q.Q6_K else out
 
-        def expert_ffn(self, x, experts, gate, up, down, act=Activation.SILU, bias=None):
+        def expert_ffn(self, x, experts, gate, up, down, act=SWIGLU, bias=None):
             return self.inner.expert_ffn(x, experts, gate, up, down, act, bias)
 
     with pytest.raises(KernelError, match="Q6_K"):

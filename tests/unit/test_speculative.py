@@ -117,21 +117,32 @@ def test_greedy_tokens_and_logits_equal_plain_decoding(kjv, text, k_max):
     assert_same(plain, list(speculative_generate(bb, prompt, 40, hook, stop={tok.eos_id}, k_max=k_max)))
 
 
-@pytest.fixture(scope="module")
-def deepseek2(model_dir):
-    """A random deepseek2 (its KV cache is the MLA latent, rolled back like any other) and a byte-token prompt."""
-    model = GGUFModel(make_model(model_dir, "deepseek2", n_layer=3))
+def random_arch(model_dir, arch: str):
+    """A random model of *arch* on the reference experts and a byte-token prompt."""
+    model = GGUFModel(make_model(model_dir, arch, n_layer=3))
     store = ExpertStore(model)
     return Backbone(model), local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w)), [264, 72, 101, 108, 108, 111]
 
 
-@pytest.fixture(params=["kjv", "deepseek2"])
+@pytest.fixture(scope="module")
+def deepseek2(model_dir):
+    """A random deepseek2: its KV cache is the MLA latent, rolled back like any other."""
+    return random_arch(model_dir, "deepseek2")
+
+
+@pytest.fixture(scope="module")
+def step35(model_dir):
+    """A random step35: per-layer head counts (so per-layer KV widths) and SWA layers whose window the rollback keeps."""
+    return random_arch(model_dir, "step35")
+
+
+@pytest.fixture(params=["kjv", "deepseek2", "step35"])
 def drafted(request):
-    """(backbone, hook, prompt) of the embedded model or of a random deepseek2."""
+    """(backbone, hook, prompt) of the embedded model or of a random deepseek2 / step35."""
     if request.param == "kjv":
         bb, hook, tok = request.getfixturevalue("kjv")
         return bb, hook, tok.encode(PROMPTS[1])
-    return request.getfixturevalue("deepseek2")
+    return request.getfixturevalue(request.param)
 
 
 @pytest.mark.parametrize("drafter", [NoDraft(), Fixed([0, 1, 2, 3, 4, 5, 6, 7]), PromptLookupDrafter(max_ngram=1)], ids=["none", "fixed", "unigram"])
