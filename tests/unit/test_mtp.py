@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -11,12 +9,12 @@ from experts.errors import UsageError
 from experts.forward import Backbone, KVCache, local_moe, rms_norm
 from experts.generate import generate, prefill
 from experts.gguf_model import GGUFModel
-from experts.model_writer import write_model
 from experts.moe import ungrouped_moe
 from experts.mtp import MtpDrafter, NoMtpError
-from experts.random_model import byte_level_tokenizer, random_config, random_tensors
+from experts.random_model import write_restating_mtp_model
 from experts.slices import ExpertStore
-from experts.speculative import SpecStats, pick_drafter, speculative_generate
+from experts.speculative import DRAFTERS, SpecStats, pick_drafter, speculative_generate
+from node.cli.options import DRAFTER_NAMES
 
 from ..conftest import make_model
 
@@ -37,26 +35,9 @@ def random_mtp(request, model_dir):
 
 @pytest.fixture(scope="module", params=["glm4moe", "deepseek2"])
 def agreeing(request, tmp_path_factory):
-    """A one-layer model whose MTP block restates the trunk: it predicts what the trunk will, one token ahead.
-
-    The block is a copy of layer 0 (attention, router, experts); eh_proj passes the normed embedding
-    through and drops the hidden half; token embeddings have unit RMS, so enorm(embed(t)) is what layer 0
-    reads. The block's row for token t at position q is then layer 0's, and its head (the trunk's output
-    norm and head) gives the trunk's logits for the token after t. With the halves of eh_proj swapped it
-    would read the trunk's state instead and agree with nothing.
-    """
-    cfg = dataclasses.replace(random_config(request.param, n_layer=2, n_embd=32, n_ff_exp=16), n_layer=1, n_dense_lead=0)
-    t = random_tensors(cfg, seed=3)
-    e = t["token_embd.weight"]
-    t["token_embd.weight"] = (e / np.sqrt(np.mean(e.astype(np.float64) ** 2, axis=1, keepdims=True))).astype(np.float32)
-    for name in [n for n in t if n.startswith("blk.0.")]:
-        t["blk.1." + name[len("blk.0.") :]] = t[name].copy()
-    d = cfg.n_embd
-    t["blk.1.nextn.eh_proj.weight"] = np.concatenate([np.eye(d), np.zeros((d, d))], axis=1).astype(np.float32)
-    t["blk.1.nextn.enorm.weight"] = np.ones(d, dtype=np.float32)
-    t["blk.1.nextn.hnorm.weight"] = np.ones(d, dtype=np.float32)
-    path = tmp_path_factory.mktemp("mtp") / f"{request.param}-agreeing.gguf"
-    write_model(path, cfg, t, byte_level_tokenizer())
+    """A one-layer model whose MTP block restates the trunk (:func:`write_restating_mtp_model`)."""
+    path = tmp_path_factory.mktemp("mtp") / f"{request.param}-restating.gguf"
+    write_restating_mtp_model(path, request.param, seed=3)
     return loaded(path)
 
 
@@ -114,7 +95,8 @@ def test_a_resumed_prefix_drafts_from_the_positions_fed(agreeing):
 
 
 def test_mtp_is_refused_for_a_model_without_nextn_blocks_and_names_are_checked(model_dir):
-    """No nextn block: a usage error naming --drafter ngram; an unknown drafter name is refused."""
+    """No nextn block: a usage error naming --drafter ngram; an unknown drafter name is refused; the CLI offers the same names."""
+    assert DRAFTER_NAMES == DRAFTERS
     bb, _ = loaded(make_model(model_dir, "qwen2moe", n_layer=1, n_embd=32, n_ff_exp=16))
     with pytest.raises(NoMtpError, match="--drafter ngram"):
         pick_drafter(bb, "mtp")
