@@ -24,6 +24,9 @@ GGUFPY_QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5
 # Byte offsets of the f16 super-block scales (d, and dmin where present) in each K-quant block.
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 SUPPORTED_QTYPES = GGUFPY_QUANTIZABLE | set(K_QUANT_SCALES)
+K_BLOCK = 256
+# llama-quantize's tensor_type_fallback (src/llama-quant.cpp): a tensor whose rows are not whole K-quant blocks gets this.
+K_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -242,10 +245,12 @@ def write_random_model(
         tensors = {}
         rng = np.random.default_rng(seed + 1)
         for name, arr in _random_arrays(cfg, seed):
-            if not keeps_f32(name, arr.shape):
-                raw[name] = (random_k_blocks(qtype, arr.shape, float(arr.std()), rng), arr.shape, qtype)
-            else:
+            if keeps_f32(name, arr.shape):
                 tensors[name] = arr
+            elif arr.shape[-1] % K_BLOCK:  # as llama-quantize: a 32-block type (deepseek2's attn_k_b rows are qk_nope wide)
+                raw[name] = (gguf.quants.quantize(arr, K_FALLBACK[qtype]), arr.shape, K_FALLBACK[qtype])
+            else:
+                raw[name] = (random_k_blocks(qtype, arr.shape, float(arr.std()), rng), arr.shape, qtype)
         qtype = Q.F32
     else:
         tensors = random_tensors(cfg, seed)
