@@ -98,7 +98,7 @@ async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str
             status.remote, status.discovery, status.phase = remote, remote.discovery, Phase.WAITING
             await wait_for_hosts(remote, model.moe_layers, *wait)
             await status.refresh()  # /readyz judges the coverage it has now, not the empty map of the wait
-            moe = BatchingMoE(remote, model.cfg.n_layer, asyncio.get_running_loop(), window_s=options["window_s"])
+            moe = BatchingMoE(remote, model.cfg.moe_layers, asyncio.get_running_loop(), window_s=options["window_s"])
             cache = PrefixCache(options["prefix_bytes"]) if options["prefix_bytes"] else None
             engine = Engine(backbone, tok, moe, max_batch=options["max_batch"], max_queue=options["max_queue"], prefix_cache=cache, speculative=options["speculative"], drafter=options["drafter"])
             gateway.attach(engine)
