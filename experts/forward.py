@@ -275,47 +275,61 @@ class Backbone:
         self.tok_embd = lin.linear("token_embd.weight")
         self.output_norm = d("output_norm.weight")
         self.output = lin.linear("output.weight") if model.has("output.weight") else self.tok_embd
-        self.layers = []
-        for i in range(cfg.n_layer):
-            b = f"blk.{i}."
-            moe = cfg.is_moe(i)
-            shexp = None
-            if moe and cfg.n_ff_shexp and self.spec.shared_expert is not SharedExpert.NONE:
-                gate = d(b + "ffn_gate_inp_shexp.weight") if self.spec.shared_expert is SharedExpert.SIGMOID_GATED else None
-                shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight", cfg.glu_shexp(i)))
-            mla = MLA.load(model, lin, b) if self.spec.mla else None
-            gdn = DeltaNet.load(model, lin, b) if cfg.is_recurrent(i) else None
-            q, k, v = self._qkv(lin, b) if mla is None and gdn is None else (None, None, None)
-            self.layers.append(
-                Layer(
-                    attn_norm=d(b + "attn_norm.weight"),
-                    wq=q,
-                    wk=k,
-                    wv=v,
-                    wo=None if gdn else lin.linear(b + "attn_output.weight"),
-                    bq=opt(b + "attn_q.bias"),
-                    bk=opt(b + "attn_k.bias"),
-                    bv=opt(b + "attn_v.bias"),
-                    bo=opt(b + "attn_output.bias"),
-                    sinks=opt(b + "attn_sinks.weight"),
-                    q_norm=opt(b + "attn_q_norm.weight"),
-                    k_norm=opt(b + "attn_k_norm.weight"),
-                    ffn_norm=d(b + self.spec.ffn_norm + ".weight"),
-                    router=lin.linear(b + "ffn_gate_inp.weight") if moe else None,
-                    router_bias=opt(b + "ffn_gate_inp.bias") if moe else None,
-                    selection_bias=opt(b + "exp_probs_b.bias") if moe else None,
-                    shexp=shexp,
-                    ffn=None if moe else lin.ffn(b + "ffn_gate.weight", b + "ffn_up.weight", b + "ffn_down.weight", cfg.glu_shexp(i)),
-                    mla=mla,
-                    gdn=gdn,
-                    head_gate=lin.linear(b + "attn_gate.weight") if model.has(b + "attn_gate.weight") else None,
-                )
-            )
+        self._weights = lin
+        self.layers = [self._load_layer(i) for i in range(cfg.n_layer)]
         self.router_params = cfg.router
         self.rope_freqs = opt("rope_freqs.weight") if self.spec.rope_freqs else None
         # llama4's weightless q/k norm after RoPE, which llama.cpp leaves out for 128-expert models (Maverick)
         self.qk_norm_after_rope = self.spec.qk_norm is QKNorm.WEIGHTLESS_AFTER_ROPE and cfg.n_expert != self.spec.kq_norm_off_at
         self.yarn = Yarn(cfg.yarn_factor, cfg.yarn_orig_ctx, cfg.yarn_log_mul) if cfg.yarn_factor else None
+
+    def _load_layer(self, i: int) -> Layer:
+        """Layer *i*'s weights: a trunk layer, or an MTP block stored after the trunk (:meth:`load_mtp`)."""
+        cfg, model, d, lin = self.cfg, self.model, self.model.dense, self._weights
+        opt = lambda name: d(name) if model.has(name) else None  # noqa: E731
+        b = f"blk.{i}."
+        moe = cfg.is_moe(i)
+        shexp = None
+        if moe and cfg.n_ff_shexp and self.spec.shared_expert is not SharedExpert.NONE:
+            gate = d(b + "ffn_gate_inp_shexp.weight") if self.spec.shared_expert is SharedExpert.SIGMOID_GATED else None
+            shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight", cfg.glu_shexp(i)))
+        mla = MLA.load(model, lin, b) if self.spec.mla else None
+        gdn = DeltaNet.load(model, lin, b) if cfg.is_recurrent(i) else None
+        q, k, v = self._qkv(lin, b) if mla is None and gdn is None else (None, None, None)
+        return Layer(
+            attn_norm=d(b + "attn_norm.weight"),
+            wq=q,
+            wk=k,
+            wv=v,
+            wo=None if gdn else lin.linear(b + "attn_output.weight"),
+            bq=opt(b + "attn_q.bias"),
+            bk=opt(b + "attn_k.bias"),
+            bv=opt(b + "attn_v.bias"),
+            bo=opt(b + "attn_output.bias"),
+            sinks=opt(b + "attn_sinks.weight"),
+            q_norm=opt(b + "attn_q_norm.weight"),
+            k_norm=opt(b + "attn_k_norm.weight"),
+            ffn_norm=d(b + self.spec.ffn_norm + ".weight"),
+            router=lin.linear(b + "ffn_gate_inp.weight") if moe else None,
+            router_bias=opt(b + "ffn_gate_inp.bias") if moe else None,
+            selection_bias=opt(b + "exp_probs_b.bias") if moe else None,
+            shexp=shexp,
+            ffn=None if moe else lin.ffn(b + "ffn_gate.weight", b + "ffn_up.weight", b + "ffn_down.weight", cfg.glu_shexp(i)),
+            mla=mla,
+            gdn=gdn,
+            head_gate=lin.linear(b + "attn_gate.weight") if model.has(b + "attn_gate.weight") else None,
+        )
+
+    def load_mtp(self) -> list[Layer]:
+        """The file's MTP (nextn) blocks as layers ``n_layer`` .. ``n_layer + n_nextn - 1``, loaded on first call.
+
+        They are appended to :attr:`layers` after the trunk, so :meth:`block` runs them by their file index like
+        any layer; :meth:`forward` runs the first ``n_layer`` only, as llama.cpp's main graph does.
+        """
+        n = self.cfg.n_layer
+        if len(self.layers) == n:
+            self.layers.extend(self._load_layer(n + j) for j in range(self.cfg.n_nextn))
+        return self.layers[n:]
 
     def _qkv(self, lin: DenseWeights | PackedWeights, b: str) -> tuple[Linear, Linear, Linear]:
         """The Q, K and V projections of layer *b*: three tensors, or three row ranges of a fused attn_qkv
@@ -432,8 +446,12 @@ class Backbone:
         with np.errstate(over="ignore"):
             return y * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))[:, None]
 
-    def forward(self, tokens: np.ndarray | list[int], cache: KVCache, moe_ffn: MoeFfn) -> np.ndarray:
-        """Run *tokens* (appended after the cache) through the model; logits (n, vocab) for each."""
+    def forward(self, tokens: np.ndarray | list[int], cache: KVCache, moe_ffn: MoeFfn, *, hidden: list[np.ndarray] | None = None) -> np.ndarray:
+        """Run *tokens* (appended after the cache) through the model; logits (n, vocab) for each.
+
+        *hidden*, if given, gets the final hidden state (n, n_embd) appended, output-normed: what the logits are the
+        product of, and what an MTP block continues from (llama.cpp's ``t_h_nextn`` of the main graph).
+        """
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.size == 0:
             raise ValueError("forward needs at least one token")
@@ -441,19 +459,26 @@ class Backbone:
             raise ValueError(f"token id out of range 0..{self.cfg.n_vocab - 1}")
         pos = np.arange(cache.n_past, cache.n_past + tokens.size)
         x = self.tok_embd.rows(tokens)
-        for i, L in enumerate(self.layers):
-            h = rms_norm(x, L.attn_norm, self.cfg.rms_eps)
-            x = x + self.attention(i, h, pos, cache)
-            h = rms_norm(x, L.ffn_norm, self.cfg.rms_eps)
-            if L.ffn is not None:  # a dense layer: nothing to dispatch
-                x = x + L.ffn(h)
-                continue
-            ids, w = self.router(i, h)
-            before = self.spec.weight_before_expert
-            routed = moe_ffn(i, *weight_inputs(h, ids, w)) if before else moe_ffn(i, h, ids, w)
-            sh = self.shared_expert(i, h)  # runs while a remote dispatch is in flight
-            out = slot_sum(routed.result(), ids.shape[1]) if before else routed.result()
-            if sh is not None:
-                out = out + sh
-            x = x + out
-        return self.output(rms_norm(x, self.output_norm, self.cfg.rms_eps))
+        for i in range(self.cfg.n_layer):
+            x = self.block(i, x, pos, cache, moe_ffn)
+        h = rms_norm(x, self.output_norm, self.cfg.rms_eps)
+        if hidden is not None:
+            hidden.append(h)
+        return self.output(h)
+
+    def block(self, i: int, x: np.ndarray, pos: np.ndarray, cache: KVCache, moe_ffn: MoeFfn) -> np.ndarray:
+        """Decoder layer *i* over the residual stream x (n, n_embd) at positions *pos*: attention, then the FFN."""
+        L = self.layers[i]
+        h = rms_norm(x, L.attn_norm, self.cfg.rms_eps)
+        x = x + self.attention(i, h, pos, cache)
+        h = rms_norm(x, L.ffn_norm, self.cfg.rms_eps)
+        if L.ffn is not None:  # a dense layer: nothing to dispatch
+            return x + L.ffn(h)
+        ids, w = self.router(i, h)
+        before = self.spec.weight_before_expert
+        routed = moe_ffn(i, *weight_inputs(h, ids, w)) if before else moe_ffn(i, h, ids, w)
+        sh = self.shared_expert(i, h)  # runs while a remote dispatch is in flight
+        out = slot_sum(routed.result(), ids.shape[1]) if before else routed.result()
+        if sh is not None:
+            out = out + sh
+        return x + out

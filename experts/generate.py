@@ -64,14 +64,15 @@ def check_request(backbone: Backbone, prompt: list[int], max_tokens: int, cache:
         raise PromptError(f"the cache holds {cache.n_past} positions of a {len(prompt)}-token prompt; at least its last token must be fed")
 
 
-def prefill(backbone: Backbone, prompt: list[int], moe_ffn: MoeFfn, cache: KVCache | None) -> tuple[KVCache, np.ndarray]:
+def prefill(backbone: Backbone, prompt: list[int], moe_ffn: MoeFfn, cache: KVCache | None, hidden: list[np.ndarray] | None = None) -> tuple[KVCache, np.ndarray]:
     """Feed the prompt tokens *cache* does not hold yet (all of them without one); (the cache, their logits).
 
     A given cache must hold the keys/values of ``prompt[:cache.n_past]`` (a reused prefix,
     see :mod:`node.backbone.prefix_cache`); it is extended in place, so the caller can keep it.
+    *hidden* is as for :meth:`Backbone.forward`.
     """
     cache = cache if cache is not None else KVCache()
-    return cache, backbone.forward(prompt[cache.n_past :], cache, moe_ffn)
+    return cache, backbone.forward(prompt[cache.n_past :], cache, moe_ffn, hidden=hidden)
 
 
 def generate(

@@ -315,6 +315,11 @@ class GGUFModel:
         return self.slice.layers if self.slice else range(self.cfg.n_layer)
 
     @property
+    def mtp_layers(self) -> range:
+        """The MTP (nextn) blocks after the trunk, in a full file (a slice cuts the trunk's layers only)."""
+        return range(0) if self.slice else range(self.cfg.n_layer, self.cfg.n_layer + self.cfg.n_nextn)
+
+    @property
     def moe_layers(self) -> tuple[int, ...]:
         """The layers of this file that have experts (a slice's layer range may include dense layers)."""
         return tuple(i for i in self.layers if self.cfg.is_moe(i))
@@ -419,7 +424,7 @@ class GGUFModel:
     def expert_rows(self, name: str, expert: int) -> np.ndarray:
         """One expert's bytes of the stacked tensor *name* (weight or bias), zero copy."""
         layer = int(name.split(".")[1])
-        if expert not in self.experts or layer not in self.layers:
+        if expert not in self.experts or (layer not in self.layers and layer not in self.mtp_layers):
             raise KeyError(f"expert {expert} of layer {layer} is not in {self.path}")
         return self.raw(name).reshape(self.shape(name)[0], -1)[expert - self.experts.start]
 

@@ -8,6 +8,7 @@ the bytes are valid blocks of that type, which is all a reader or benchmark need
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,9 @@ GGUFPY_QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5
 # Byte offsets of the f16 super-block scales (d, and dmin where present) in each K-quant block.
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 SUPPORTED_QTYPES = GGUFPY_QUANTIZABLE | set(K_QUANT_SCALES)
+K_BLOCK = 256
+# llama-quantize's tensor_type_fallback (src/llama-quant.cpp): a tensor whose rows are not whole K-quant blocks gets this.
+K_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -279,10 +283,12 @@ def write_random_model(
         tensors = {}
         rng = np.random.default_rng(seed + 1)
         for name, arr in _random_arrays(cfg, seed):
-            if not keeps_f32(name, arr.shape):
-                raw[name] = (random_k_blocks(qtype, arr.shape, float(arr.std()), rng), arr.shape, qtype)
-            else:
+            if keeps_f32(name, arr.shape):
                 tensors[name] = arr
+            elif arr.shape[-1] % K_BLOCK:  # as llama-quantize: a 32-block type (deepseek2's attn_k_b rows are qk_nope wide)
+                raw[name] = (gguf.quants.quantize(arr, K_FALLBACK[qtype]), arr.shape, K_FALLBACK[qtype])
+            else:
+                raw[name] = (random_k_blocks(qtype, arr.shape, float(arr.std()), rng), arr.shape, qtype)
         qtype = Q.F32
     else:
         tensors = random_tensors(cfg, seed)
@@ -291,3 +297,25 @@ def write_random_model(
         if bad:
             raise ModelFormatError(f"{qtype.name} needs row lengths that are multiples of {block}; {bad[0]} has {tensors[bad[0]].shape[-1]}")
     write_model(path, cfg, tensors, tok, qtype=qtype, raw_tensors=raw)
+
+
+def write_restating_mtp_model(path: str | Path, arch: str, *, n_embd: int = 32, n_ff_exp: int = 16, seed: int = 0) -> None:
+    """A one-MoE-layer random *arch* model whose MTP block restates the trunk: it predicts what the trunk will, one token ahead.
+
+    The block is a copy of layer 0 (attention, router, experts); eh_proj passes the normed embedding through and
+    drops the hidden half; token embeddings have unit RMS, so enorm(embed(t)) is what layer 0 reads. The block's
+    row for token t at position q is then layer 0's, and its head (the trunk's output norm and head) gives the
+    trunk's logits for the token after t: a stand-in for a trained head, to test and measure MTP drafting with
+    (with the halves of eh_proj swapped it would read the trunk's state instead and agree with nothing).
+    """
+    cfg = dataclasses.replace(random_config(arch, n_layer=2, n_embd=n_embd, n_ff_exp=n_ff_exp), n_layer=1, n_dense_lead=0, n_nextn=1)
+    t = random_tensors(cfg, seed)
+    e = t["token_embd.weight"]
+    t["token_embd.weight"] = (e / np.sqrt(np.mean(e.astype(np.float64) ** 2, axis=1, keepdims=True))).astype(np.float32)
+    for name in [n for n in t if n.startswith("blk.0.")]:
+        t["blk.1." + name.removeprefix("blk.0.")] = t[name].copy()
+    d = cfg.n_embd
+    t["blk.1.nextn.eh_proj.weight"] = np.concatenate([np.eye(d), np.zeros((d, d))], axis=1).astype(np.float32)
+    t["blk.1.nextn.enorm.weight"] = np.ones(d, dtype=np.float32)
+    t["blk.1.nextn.hnorm.weight"] = np.ones(d, dtype=np.float32)
+    write_model(path, cfg, t, byte_level_tokenizer())

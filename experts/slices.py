@@ -132,10 +132,12 @@ def check_slice(sl: GGUFModel, expected_digest: str | None = None, progress: Pro
 
 
 def hosted_part(model: GGUFModel, layers: range | None, experts: ExpertRange | None) -> tuple[range, ExpertRange]:
-    """The layers x experts a node hosts (default: all the file has), refused unless *model* holds them."""
+    """The layers x experts a node hosts (default: all the file has), refused unless *model* holds them.
+
+    The trunk's layers, or a full file's MTP blocks (which a backbone drafting with them computes itself)."""
     layers = layers if layers is not None else model.layers
     experts = experts or model.experts
-    if layers.start < model.layers.start or layers.stop > model.layers.stop:
+    if not any(outer.start <= layers.start and layers.stop <= outer.stop for outer in (model.layers, model.mtp_layers)):
         raise SliceError(f"layers {layers.start}-{layers.stop - 1} are not in {model.path} (it has {model.layers.start}-{model.layers.stop - 1})")
     if experts.start < model.experts.start or experts.stop > model.experts.stop:
         raise SliceError(f"experts {experts} are not in {model.path} (it has {model.experts})")

@@ -30,17 +30,18 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import structlog
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .errors import ModelFormatError
+from .errors import ModelFormatError, UsageError
 from .forward import Backbone, KVCache, MoeFfn, local_moe
 from .generate import Sampling, check_request, prefill, probabilities, sample
 from .gguf_model import GGUFModel
 from .moe import ungrouped_moe
+from .mtp import MtpDrafter
 from .slices import ExpertStore
 from .tokenizer import Tokenizer
 
@@ -52,6 +53,23 @@ class Drafter(Protocol):
 
     def propose(self, context: np.ndarray, k: int) -> Sequence[int]:
         """Up to *k* tokens guessed to follow *context* (prompt + generated so far, int64, read-only)."""
+        ...
+
+
+class DraftRun(Drafter, Protocol):
+    """A drafter of one generation that also reads the trunk's hidden states (:class:`experts.mtp.MtpRun`)."""
+
+    def observe(self, hidden: np.ndarray) -> None:
+        """The output-normed final states of the positions a pass kept (before the next propose)."""
+        ...
+
+
+@runtime_checkable
+class FollowingDrafter(Protocol):
+    """Drafts from the model's own states (:class:`experts.mtp.MtpDrafter`): a :class:`DraftRun` per generation."""
+
+    def run(self, start: int) -> DraftRun:
+        """State for a generation whose first fed position is *start*."""
         ...
 
 
@@ -256,6 +274,22 @@ def default_drafter(model: GGUFModel) -> Drafter:
     return table
 
 
+DRAFTERS = ("ngram", "mtp")  # --drafter choices; ngram is the default (see pick_drafter)
+
+
+def pick_drafter(backbone: Backbone, name: str = "ngram") -> Drafter | FollowingDrafter:
+    """The drafter *name* for *backbone*'s model: ``ngram`` (:func:`default_drafter`) or ``mtp`` (its MTP block).
+
+    ngram stays the default even for models with MTP blocks: the only MTP heads measured here are random
+    ones (BENCHMARKS.md), which say nothing about a trained head's acceptance.
+    """
+    if name == "mtp":
+        return MtpDrafter(backbone)
+    if name == "ngram":
+        return default_drafter(backbone.model)
+    raise UsageError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+
+
 @dataclass
 class SpecStats:
     """What speculative runs did; pass one object to several runs to add them up.
@@ -358,7 +392,7 @@ def speculative_generate(
     *,
     sampling: Sampling = Sampling(),
     stop: set[int] | None = None,
-    drafter: Drafter | None = None,
+    drafter: Drafter | FollowingDrafter | None = None,
     k_max: int = 8,
     adaptive: bool = True,
     stats: SpecStats | None = None,
@@ -370,7 +404,9 @@ def speculative_generate(
     the same distribution (not the same draws). Drafts hold up to k tokens: k_max, or
     with *adaptive* a length set by :func:`next_k` starting at k_max; never more than
     the tokens still allowed minus one, so no pass goes past max_tokens or the
-    context. A step whose drafter proposes nothing is a plain one-token pass. *stats*,
+    context. A step whose drafter proposes nothing is a plain one-token pass. A
+    :class:`FollowingDrafter` (MTP) gets a run for this generation that sees the final
+    states of every kept position before it proposes. *stats*,
     if given, is updated as tokens are yielded. *cache* is as for ``generate``: a prompt
     prefix not recomputed; it ends up holding the positions fed and kept (rejected drafts dropped).
     """
@@ -386,7 +422,11 @@ def speculative_generate(
     context = np.empty(len(prompt) + max_tokens, dtype=np.int64)  # prompt, then every yielded token
     context[: len(prompt)] = prompt
     n, end = len(prompt), len(prompt) + max_tokens  # tokens in context now, and when to stop
-    cache, rows = prefill(backbone, prompt, moe_ffn, cache)
+    run, proposer = None, drafter
+    if isinstance(drafter, FollowingDrafter):
+        run = proposer = drafter.run(cache.n_past if cache is not None else 0)
+    hidden: list[np.ndarray] | None = [] if run is not None else None  # each pass's final states, for the run
+    cache, rows = prefill(backbone, prompt, moe_ffn, cache, hidden)
     rows = rows[-1:]  # the prefill: a step with an empty draft
     stats.prefills += 1
     draft: list[int] = []
@@ -394,6 +434,9 @@ def speculative_generate(
     while True:
         new = verify(rows, draft, sampling, rng)
         cache.truncate(n + len(new) - 1)  # every emitted token's entry but the last, which the next pass feeds
+        if run is not None and hidden:
+            fed = hidden.pop()
+            run.observe(fed if n == len(prompt) else fed[: len(new)])  # the prefill's rows are all kept
         if n > len(prompt):  # a decode step, not the prefill
             stats.drafted.append(len(draft))
             stats.accepted.append(len(new) - 1)
@@ -407,8 +450,8 @@ def speculative_generate(
             if n == end or tok in stop:
                 return
         want = min(k, end - n - 1)  # the pass yields up to len(draft) + 1 tokens
-        draft = _draft(drafter, context[:n], want, backbone.cfg.n_vocab) if want > 0 else []
-        rows = backbone.forward([int(context[n - 1]), *draft], cache, moe_ffn)
+        draft = _draft(proposer, context[:n], want, backbone.cfg.n_vocab) if want > 0 else []
+        rows = backbone.forward([int(context[n - 1]), *draft], cache, moe_ffn, hidden=hidden)
 
 
 def _draft(drafter: Drafter, context: np.ndarray, k: int, n_vocab: int) -> list[int]:

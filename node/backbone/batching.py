@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -211,13 +211,17 @@ class BatchingMoE:
     *inner* is a :class:`RemoteMoE` (its dispatch awaited on *loop*, which must own its
     endpoint) or a local compute function (run in the loop's default executor). All
     batching state lives on the loop thread; sequence threads only post to it and wait
-    on the Future their member hook returns.
+    on the Future their member hook returns. *moe_layers* are the model's layers with
+    experts, in forward order (``cfg.moe_layers``: dense layers call no hook), which the
+    batcher counts as its layers 0, 1, ...
     """
 
-    def __init__(self, inner: RemoteMoE | MoeCompute, n_layers: int, loop: asyncio.AbstractEventLoop, *, window_s: float = DEFAULT_WINDOW_S) -> None:
+    def __init__(self, inner: RemoteMoE | MoeCompute, moe_layers: Sequence[int], loop: asyncio.AbstractEventLoop, *, window_s: float = DEFAULT_WINDOW_S) -> None:
         self.inner = inner
         self.loop = loop
-        self.core = LayerBatcher(n_layers, window_s)
+        self.layers = tuple(moe_layers)
+        self._step = {layer: i for i, layer in enumerate(self.layers)}
+        self.core = LayerBatcher(len(self.layers), window_s)
         self.stats = BatchStats()
         self._calls: dict[int, _Call] = {}
         self._pins: dict[int, Pins | None] = {}
@@ -268,7 +272,9 @@ class BatchingMoE:
         self.stats.member_calls += 1
         self._calls[m] = call
         try:
-            due = self.core.arrive(m, layer, self.loop.time())
+            if layer not in self._step:
+                raise BatchingError(f"member {m!r} called layer {layer}, which has no experts")
+            due = self.core.arrive(m, self._step[layer], self.loop.time())
         except BatchingError as exc:
             self._calls.pop(m)
             call.future.set_exception(exc)
@@ -283,7 +289,7 @@ class BatchingMoE:
         for b in batches:
             for members, pins in self._affinity_groups(b):
                 calls = [self._calls.pop(m) for m in members]
-                task = self.loop.create_task(self._dispatch(b.layer, members, calls, pins))
+                task = self.loop.create_task(self._dispatch(self.layers[b.layer], members, calls, pins))
                 self._inflight.add(task)
                 task.add_done_callback(self._inflight.discard)
         if self._timer is not None:
@@ -296,7 +302,7 @@ class BatchingMoE:
     def _affinity_groups(self, b: Batch) -> list[tuple[list[int], Pins | None]]:
         if not isinstance(self.inner, RemoteMoE):  # nothing to pin
             return [(list(b.members), None)]
-        return affinity_groups(b.layer, b.members, self._pins)
+        return affinity_groups(self.layers[b.layer], b.members, self._pins)
 
     async def _dispatch(self, layer: int, members: list[int], calls: list[_Call], pins: Pins | None) -> None:
         x = np.concatenate([c.x for c in calls])

@@ -119,9 +119,9 @@ class _Traced:
         self._backbone = backbone
         self._provenance = provenance
 
-    def forward(self, tokens: np.ndarray | list[int], cache: KVCache, moe_ffn: MoeFfn) -> np.ndarray:
+    def forward(self, tokens: np.ndarray | list[int], cache: KVCache, moe_ffn: MoeFfn, *, hidden: list[np.ndarray] | None = None) -> np.ndarray:
         self._provenance.begin(cache.n_past)
-        return self._backbone.forward(tokens, cache, moe_ffn)
+        return self._backbone.forward(tokens, cache, moe_ffn, hidden=hidden)
 
     def __getattr__(self, name: str):
         return getattr(self._backbone, name)

@@ -8,6 +8,7 @@ printed as JSON or as a short summary.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -192,6 +193,24 @@ def bench_wan(as_json: bool, rtts: str, n_tokens: int, n_prompts: int, session_t
     lines = [f"RTT {r['rtt_ms']:g} ms: " + ", ".join(f"{k} {v} tokens/s" for k, v in r["tokens_s"].items()) + f" (bound {r['bound_tokens_s']})" for r in by_rtt]
     lines.append(f"8 sessions: {result['sessions8_aggregate_ratio']}x one session; star layer {s['layer_ms']} ms vs max RTT {s['max_rtt_ms']} ms ({s['ratio']}x)")
     publish(result, command, write_md=write_md, as_json=as_json, lines=lines)
+
+
+@bench_group.command("drafters")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--rtt-ms", default=80.0, show_default=True, type=click.FloatRange(min=0), help="RTT between the backbone and the worker in the testbed (root); 0: local runs only.")
+@click.option("--tokens", "n_tokens", default=32, show_default=True, help="Tokens per decoding run.")
+@click.option("--prompts", "n_prompts", default=3, show_default=True, type=click.IntRange(1, 3), help="Prompts per variant.")
+@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
+def bench_drafters(as_json: bool, rtt_ms: float, n_tokens: int, n_prompts: int, write_md: str | None) -> None:
+    """Accepted tokens per verify pass and tokens/s: MTP vs n-gram drafts on random glm4moe models, locally and over the testbed WAN."""
+    from node.bench import drafters
+
+    with progress.bars(progress.wanted(as_json=as_json)) as shown:
+        result = drafters.run(rtt_ms, n_tokens, n_prompts, progress=progress.stage(shown, "benchmark steps"))
+    result["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    lines = [f"{kind} {where}: " + ", ".join(f"{name} {v['tokens_s']} tokens/s" + (f" ({v['accepted_per_verify_pass']} accepted/pass)" if "accepted_per_verify_pass" in v else "") for name, v in r.items())
+             for kind in ("random", "restating") for where, r in result[kind].items()]  # fmt: skip
+    publish(result, f"moeswarm bench drafters --json --rtt-ms {rtt_ms:g} --tokens {n_tokens} --prompts {n_prompts}", write_md=write_md, as_json=as_json, lines=lines)
 
 
 @bench_group.command("paths")

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 # experts.kernels.KERNELS' names, spelled out so that parsing options does not load ggml (tests/unit/test_kernels.py
 # checks the two agree).
 KERNEL_NAMES = ("ggml", "reference")
+DRAFTER_NAMES = ("ngram", "mtp")  # experts.speculative.DRAFTERS, spelled out likewise (tests/unit/test_mtp.py)
 ROUTE_REFRESH_S = 3.0  # node.backbone.routing.ROUTE_REFRESH_S, spelled out likewise (tests/unit/test_churn_routing.py)
 
 
@@ -60,6 +61,7 @@ http_opt = click.option("--http", "http_addr", default=None, help="HOST:PORT for
 timeout_opt = click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Most seconds a dispatch waits for a host; a measured host gets a deadline from its round trips (never more than this).")
 route_refresh_opt = click.option("--route-refresh", default=ROUTE_REFRESH_S, show_default=True, type=click.FloatRange(min=0.1), help="Seconds between re-reads of every layer's hosts from the DHT: a worker that joins is used within about this long.")
 hedge_opt = click.option("--hedge", is_flag=True, help="When a group's host is late (2x its measured round trip), ask the next replica too and take the first answer (more work for the swarm, a shorter tail).")
+drafter_opt = click.option("--drafter", default="ngram", show_default=True, type=click.Choice(DRAFTER_NAMES), help="What proposes speculative drafts: ngram (the model's n-gram table beside it, else prompt lookup) or mtp (the model's own MTP block, run on this node; models with nextn layers).")
 ready_opt = click.option("--ready-file", default=None, help="Write a JSON line with this node's addresses once it serves.")
 
 

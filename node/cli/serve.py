@@ -15,7 +15,7 @@ from experts.tokenizer import Tokenizer
 from node.backbone.batching import DEFAULT_WINDOW_S, BatchingMoE
 from node.backbone.prefix_cache import PrefixCache
 from node.backbone.session import backbone_session, wait_for_hosts
-from node.cli.options import bootstrap_opt, data_dir_opt, hedge_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, spot_check_opts, timeout_opt
+from node.cli.options import bootstrap_opt, data_dir_opt, drafter_opt, hedge_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, spot_check_opts, timeout_opt
 from node.gateway.engine import Engine
 from node.gateway.server import Gateway
 from node.gateway.summary import Counts, log_summaries
@@ -46,6 +46,7 @@ log = structlog.get_logger("node.cli.serve")
 @click.option("--prefix-cache", "prefix_cache", default="256M", show_default=True, help="Memory for cached prompt prefixes (keys/values); 0 turns the cache off.")
 @click.option("--summary-interval", "summary_s", default=60.0, show_default=True, type=click.FloatRange(min=1), help="Seconds between the info lines that sum up requests, tokens, dispatches, failures and hosts used (a quiet interval prints none).")
 @click.option("--no-speculative", is_flag=True, help="Decode greedy requests one token per pass (same output, more round trips).")
+@drafter_opt
 @timeout_opt
 @route_refresh_opt
 @hedge_opt
@@ -61,14 +62,14 @@ log = structlog.get_logger("node.cli.serve")
 @relay_opts
 @data_dir_opt
 @ready_opt
-def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, summary_s, no_speculative, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, spot_seed, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
+def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, summary_s, no_speculative, drafter, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, spot_seed, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
     """Serve /v1/completions and /v1/chat/completions, batching concurrent requests' dispatches."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
     session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=1.0 if verify_all else spot_check, spot_seed=spot_seed, hold_experts=not remote_experts_only, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME, relay=relay_settings(relay_ca, relay_keepalive))
     cache_bytes = parse_size(prefix_cache) if prefix_cache not in ("0", "") else 0
-    options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative, summary_s=summary_s)
+    options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative, drafter=drafter, summary_s=summary_s)
     asyncio.run(serve(load_identity(home), model, (bootstrap, bootstrap_wait), parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), session, options, ready_file, api_key))
 
 
@@ -97,9 +98,9 @@ async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str
             status.remote, status.discovery, status.phase = remote, remote.discovery, Phase.WAITING
             await wait_for_hosts(remote, model.moe_layers, *wait)
             await status.refresh()  # /readyz judges the coverage it has now, not the empty map of the wait
-            moe = BatchingMoE(remote, model.cfg.n_layer, asyncio.get_running_loop(), window_s=options["window_s"])
+            moe = BatchingMoE(remote, model.cfg.moe_layers, asyncio.get_running_loop(), window_s=options["window_s"])
             cache = PrefixCache(options["prefix_bytes"]) if options["prefix_bytes"] else None
-            engine = Engine(backbone, tok, moe, max_batch=options["max_batch"], max_queue=options["max_queue"], prefix_cache=cache, speculative=options["speculative"])
+            engine = Engine(backbone, tok, moe, max_batch=options["max_batch"], max_queue=options["max_queue"], prefix_cache=cache, speculative=options["speculative"], drafter=options["drafter"])
             gateway.attach(engine)
             status.phase = Phase.SERVING
             summaries = asyncio.create_task(log_summaries(lambda: Counts(engine.stats.requests, engine.stats.completion_tokens, engine.stats.failed), remote.stats.records, options["summary_s"]))

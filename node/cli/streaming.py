@@ -12,7 +12,7 @@ import click
 
 from experts.forward import Backbone, MoeFfn
 from experts.generate import generate
-from experts.speculative import SpecStats, default_drafter, speculative_generate
+from experts.speculative import Drafter, FollowingDrafter, SpecStats, default_drafter, speculative_generate
 from experts.tokenizer import StreamDecoder, Tokenizer
 from node.backbone.provenance import Provenance, Rollback, RollbackStats, exact_generate
 
@@ -28,9 +28,10 @@ def serial(hook: MoeFfn) -> MoeFfn:
     return waited
 
 
-async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False, overlap: bool = True, culprits: Sequence[str] | None = None) -> tuple[list[int], float, SpecStats | None, RollbackStats | None]:
+async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False, drafter: Drafter | FollowingDrafter | None = None, overlap: bool = True, culprits: Sequence[str] | None = None) -> tuple[list[int], float, SpecStats | None, RollbackStats | None]:
     """Generate off the event loop (the MoE hook needs the loop); echo text when *stream*. Returns (tokens, seconds, stats, rollbacks).
 
+    *drafter* proposes the speculative drafts (default: the model's n-gram table or prompt lookup).
     *overlap* False waits for each layer's dispatch before the shared expert (for measuring what the overlap hides).
     *culprits* (``RemoteMoE.checker.culprits``; *hook* then is ``RemoteMoE.hook``): roll back and re-decode when a spot
     check catches a worker whose unchecked sums were used (:mod:`node.backbone.provenance`); the streamed text is
@@ -38,7 +39,7 @@ async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int
     ids = tok.encode(prompt)
     out: list[int] = []
     stats = SpecStats() if speculative else None
-    decode = functools.partial(speculative_generate, stats=stats, drafter=default_drafter(bb.model)) if speculative else generate
+    decode = functools.partial(speculative_generate, stats=stats, drafter=drafter or default_drafter(bb.model)) if speculative else generate
     rollbacks: RollbackStats | None = None
     steps: Iterator
     if culprits is None:

@@ -14,11 +14,12 @@ from experts.codecs import Codec
 from experts.forward import Backbone
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.slices import parse_range
+from experts.speculative import pick_drafter
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bootstrap import run_bootstrap_node
 from node.cli import progress
-from node.cli.options import bootstrap_opt, data_dir_opt, hedge_opt, http_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, spot_check_opts, thread_count, timeout_opt
+from node.cli.options import bootstrap_opt, data_dir_opt, drafter_opt, hedge_opt, http_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, spot_check_opts, thread_count, timeout_opt
 from node.cli.root import LazyGroup, emit_json
 from node.cli.streaming import stream_tokens
 from node.ledger.store import FILENAME
@@ -202,12 +203,13 @@ def backbone_group() -> None:
 @click.option("--local-memory", default=None, help="Or: as many hot experts as fit this much RAM, e.g. 2G.")
 @click.option("--remote-experts-only", is_flag=True, help="Compute no routed expert here (a model whose experts do not fit this machine): no local fallback; spot checks re-ask another replica.")
 @click.option("--speculative/--no-speculative", default=True, show_default=True, help="Verify prompt-lookup drafts in one pass (greedy output unchanged).")
+@drafter_opt
 @click.option("--overlap/--no-overlap", default=True, show_default=True, help="Compute the shared expert while a layer's dispatch is in flight.")
 @kernel_options
 @relay_opts
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, bootstrap_wait, prompt, n_tokens, wire, wait_hosts, timeout, route_refresh, hedge, listen, dht_listen, spot_check, verify_all, max_price, ledger_path, local_experts, local_memory, remote_experts_only, speculative, overlap, kernel_name, threads, relay_ca, relay_keepalive, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, bootstrap_wait, prompt, n_tokens, wire, wait_hosts, timeout, route_refresh, hedge, listen, dht_listen, spot_check, verify_all, max_price, ledger_path, local_experts, local_memory, remote_experts_only, speculative, drafter, overlap, kernel_name, threads, relay_ca, relay_keepalive, data_dir, as_json) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
@@ -215,22 +217,23 @@ def generate_cmd(model_path, bootstrap, bootstrap_wait, prompt, n_tokens, wire, 
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
     session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=1.0 if verify_all else spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
                    local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None, hold_experts=not remote_experts_only, relay=relay_settings(relay_ca, relay_keepalive))
-    result = asyncio.run(_generate(ident, model, (bootstrap, bootstrap_wait), prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative, overlap=overlap))
+    result = asyncio.run(_generate(ident, model, (bootstrap, bootstrap_wait), prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative, drafter=drafter, overlap=overlap))
     if as_json:
         emit_json(result)
 
 
-async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session: dict, *, stream: bool, speculative: bool, overlap: bool) -> dict:
+async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session: dict, *, stream: bool, speculative: bool, drafter: str, overlap: bool) -> dict:
     bootstrap, wait = bootstrap
     await check_bootstrap(bootstrap, wait)  # before the dense weights load
     tok = Tokenizer.from_spec(model.tokenizer_spec)
     bb = Backbone(model, session["kernel"])
+    drafts = pick_drafter(bb, drafter) if speculative else None  # an MTP refusal before any connection
     async with backbone_session(ident, model, bootstrap, **session) as moe:
         await wait_for_hosts(moe, model.moe_layers, wait_hosts, 60)
-        out, elapsed, spec, rollbacks = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative, overlap=overlap, culprits=moe.checker.culprits)
+        out, elapsed, spec, rollbacks = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative, drafter=drafts, overlap=overlap, culprits=moe.checker.culprits)
         verification = {**moe.checker.summary(), **(rollbacks.summary() if rollbacks else {})}
         if stream:
             click.echo(json.dumps({**moe.stats.summary(), "verification": verification}), err=True)
         hit = round(moe.hot.hit_rate, 4) if moe.hot else 0.0
-        extra = {"speculative": spec.summary(), "verification": verification} if spec else {"verification": verification}
+        extra = {"speculative": {**spec.summary(), "drafter": drafter}, "verification": verification} if spec else {"verification": verification}
         return {"tokens": len(out), "text": tok.decode(out), "token_ids": out, "tokens_per_s": round(len(out) / elapsed, 3), "local_hit_rate": hit, **extra, **moe.stats.summary()}

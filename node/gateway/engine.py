@@ -34,7 +34,7 @@ import structlog
 from experts.errors import MoeSwarmError
 from experts.forward import Backbone, KVCache
 from experts.generate import generate
-from experts.speculative import default_drafter, speculative_generate
+from experts.speculative import pick_drafter, speculative_generate
 from experts.tokenizer import StreamDecoder, Tokenizer
 from node.backbone.batching import BatchingMoE
 from node.backbone.dispatch import Pins, RemoteMoE
@@ -95,12 +95,12 @@ class EngineStats:
 class Engine:
     """Runs jobs as concurrent sequences (at most *max_batch*; up to *max_queue* more wait) over one BatchingMoE."""
 
-    def __init__(self, backbone: Backbone, tok: Tokenizer, moe: BatchingMoE, *, max_batch: int = 8, max_queue: int = 64, prefix_cache: PrefixCache | None = None, speculative: bool = True) -> None:
+    def __init__(self, backbone: Backbone, tok: Tokenizer, moe: BatchingMoE, *, max_batch: int = 8, max_queue: int = 64, prefix_cache: PrefixCache | None = None, speculative: bool = True, drafter: str = "ngram") -> None:
         self.backbone, self.tok, self.moe = backbone, tok, moe
         self.max_queue = max_queue
         self.prefix_cache = prefix_cache
         self.speculative = speculative
-        self.drafter = default_drafter(backbone.model)  # the model's n-gram table when one ships beside it
+        self.drafter = pick_drafter(backbone, drafter)  # ngram: the model's table when one ships beside it; mtp: its MTP block
         self.stats = EngineStats()
         self.rollbacks = RollbackStats()  # what catches cost the sequences (all of them together)
         self._slots = asyncio.Semaphore(max_batch)

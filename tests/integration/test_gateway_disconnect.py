@@ -57,7 +57,7 @@ def test_a_client_that_hangs_up_stops_its_sequence(stream):
     n_layer = model.cfg.n_layer
 
     async def scenario() -> None:
-        moe = BatchingMoE(inner, n_layer, asyncio.get_running_loop())
+        moe = BatchingMoE(inner, model.cfg.moe_layers, asyncio.get_running_loop())
         engine = Engine(Backbone(model), Tokenizer.from_spec(model.tokenizer_spec), moe, max_batch=2, speculative=False)
         gateway = Gateway(engine, "embedded", model.digest)
         _, port = await gateway.start("127.0.0.1", 0)

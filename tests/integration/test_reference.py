@@ -71,12 +71,17 @@ def test_f32_forward_matches_llamacpp(model_dir, arch, kernel_name):
     assert c.positions == len(TOKENS) >= 32
 
 
-# deepseek2 at Q8_0 only: its per-head attn_k_b rows are qk_nope wide, shorter than a K-quant block at test sizes.
-QUANTIZED = [(a, q) for a in ARCHS + NEW_ARCHS + ISSUE15_ARCHS for q in (Q.Q8_0, Q.Q4_K) if (a, q) != ("deepseek2", Q.Q4_K)]
+# deepseek2's per-head attn_k_b (and at test sizes attn_q_b, attn_v_b) rows are shorter than a K-quant block: its Q4_K
+# model has them in Q5_0, as llama-quantize's fallback writes them (experts.random_model.K_FALLBACK).
+QUANTIZED = [(a, q) for a in ARCHS + NEW_ARCHS + ISSUE15_ARCHS for q in (Q.Q8_0, Q.Q4_K)]
 # Measured on deepseek2 Q8_0: seeds 0 and 2 each have 2 of 113 positions below 0.999 (min 0.918 / 0.928; every other
 # position >= 0.9997), seed 1 none. Not the MLA's quantized semantics: on seed 0, quantizing only attn_k_b, only
-# attn_v_b, or everything but them matches llama.cpp at min cosine 0.9999998. Suspected, not proven: near-tied
-# router choices that the last bits flip (seed 0 has a top-4/top-5 selection gap of 0.0007 at one of those positions).
+# attn_v_b, or everything but them matches llama.cpp at min cosine 0.9999998. Near-tied router choices in the last
+# MoE layer, shown by flipping them: on seed 0 (ggml kernel) positions 39, 67, 68 are below 0.999 (0.954, 0.918, 0.995);
+# handing the runner-up group the 2nd place at 39 and 67 (group-score gaps 6.7e-3, 1.1e-3) and the 5th expert the 4th
+# slot at 68 (gap 1.8e-2) lifts all three to >= 0.99986 and every position above 0.999. Sigmoid scores of small random
+# logits crowd near 0.5, and groups add a second boundary, so this file meets such ties more often than softmax archs.
+# The Q4_K model passes on seeds 0-2 (min 0.9999998); Q8_0 keeps a seed without a flipped choice.
 QUANTIZED_SEED = {"deepseek2": 1}
 
 

@@ -218,7 +218,7 @@ def test_concurrent_sequences_get_the_bits_they_get_alone_with_fewer_dispatches(
     alone = [decode(bb, tok, i, local_moe(inner)) for i in range(len(PROMPTS))]
     solo_calls = inner.calls
     inner.calls = 0
-    moe = BatchingMoE(inner, model.cfg.n_layer, loop, window_s=0.005)
+    moe = BatchingMoE(inner, model.cfg.moe_layers, loop, window_s=0.005)
 
     def run(i):
         with moe.member() as hook:
@@ -241,7 +241,7 @@ def test_a_failed_dispatch_fails_every_member_of_the_batch(embedded, loop):
     def broken(layer, x, ids, w):
         raise RuntimeError("no host")
 
-    moe = BatchingMoE(broken, model.cfg.n_layer, loop)
+    moe = BatchingMoE(broken, model.cfg.moe_layers, loop)
 
     def run(i):
         with moe.member() as hook:

@@ -52,10 +52,10 @@ class Counting:
     def __init__(self, backbone: Backbone) -> None:
         self.backbone, self.cfg, self.passes = backbone, backbone.cfg, []
 
-    def forward(self, tokens, cache: KVCache, moe_ffn):
+    def forward(self, tokens, cache: KVCache, moe_ffn, hidden=None):
         assert cache.n_past + len(tokens) <= self.cfg.context_length
         self.passes.append(len(tokens))
-        return self.backbone.forward(tokens, cache, moe_ffn)
+        return self.backbone.forward(tokens, cache, moe_ffn, hidden=hidden)
 
 
 class NoDraft:
