@@ -182,9 +182,10 @@ def bootstrap_target(addr: str) -> tuple[str, int, PeerId]:
 async def probe_bootstrap(addr: str, timeout: float = BOOTSTRAP_WAIT, *, backoff: Backoff = PROBE_BACKOFF) -> None:
     """Check that *addr* is a running bootstrap with the peer id it names, before a node spends time loading a model.
 
-    TCP connects, and handshakes that time out (a busy bootstrap), are retried with *backoff* for *timeout* seconds
-    (a swarm whose nodes start together), then :class:`BootstrapUnreachable`; a peer that answers but fails the Noise handshake for the named id is
-    :class:`BootstrapError` at once (another key, or another program on that port: waiting will not change it).
+    TCP connects, and handshakes that time out or fail (a busy bootstrap, or another program on that port), are
+    retried with *backoff* for *timeout* seconds (a swarm whose nodes start together), then
+    :class:`BootstrapUnreachable`; a peer that proves another key than the named id in the Noise handshake is
+    :class:`BootstrapError` at once (waiting will not change it).
     The handshake runs a throwaway libp2p host in its own trio run (a worker thread), not this node's key.
     """
     host, port, peer = bootstrap_target(addr)
@@ -198,8 +199,8 @@ async def probe_bootstrap(addr: str, timeout: float = BOOTSTRAP_WAIT, *, backoff
                 return
             if outcome == "refused":
                 raise BootstrapError(f"bootstrap {addr} answers on TCP {host}:{port}, but not as peer {peer}: use the address that bootstrap prints ('join with: --bootstrap ...'); its /p2p/ part names its key, which changes with its --data-dir")
-            # A busy bootstrap (or a loaded machine) may take longer than CONNECT_TIMEOUT: that is not a wrong key.
-            reason = f"it accepts TCP but did not finish the libp2p handshake within {CONNECT_TIMEOUT:.0f} s"
+            # A busy bootstrap (or a loaded machine) may take longer than CONNECT_TIMEOUT, or drop the dial: not a wrong key.
+            reason = f"it accepts TCP but did not finish a libp2p handshake (within {CONNECT_TIMEOUT:.0f} s)"
         delay = backoff.delay(attempt)
         if loop.time() + delay > deadline:
             raise BootstrapUnreachable(f"bootstrap {addr} is unreachable ({reason}, retried for {timeout:.0f} s): check that it runs and that TCP {host}:{port} is reachable from here (firewall, address)")
@@ -220,8 +221,9 @@ async def _tcp_reason(host: str, port: int, left: float) -> str | None:
 
 
 async def _handshake(addr: str) -> str:
-    """How a libp2p host with a fresh key fares in a Noise handshake with the peer *addr* names: "ok", "slow" (no
-    answer within CONNECT_TIMEOUT) or "refused" (the handshake failed: another key, or not libp2p)."""
+    """How a libp2p host with a fresh key fares in a Noise handshake with the peer *addr* names: "ok", "refused"
+    (the peer there proved another key) or "slow" (no answer within CONNECT_TIMEOUT, or the dial failed some other
+    way: a bootstrap on a loaded machine resets handshakes it cannot finish, which says nothing about its key)."""
     lib = libp2p_api()
     key_pair = lib.create_new_key_pair(Identity.generate().seed)
     noise = lib.NoiseTransport(key_pair, noise_privkey=lib.create_x25519_key_pair().private_key)
@@ -235,12 +237,23 @@ async def _handshake(addr: str) -> str:
                 except Exception as exc:  # libp2p dial errors share no base class (and may wrap our cancellation)
                     if not scope.cancel_called:
                         log.debug("dht.bootstrap_handshake_failed", addr=addr, error=repr(exc))
-                        return "refused"
+                        return "refused" if _caused_by(exc, lib.PeerIDMismatchesPubkey) else "slow"
             log.debug("dht.bootstrap_handshake_slow", addr=addr)
             return "slow"
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(CONNECT_TIMEOUT):
                 await host.close()
+
+
+def _caused_by(exc: BaseException, kind: type[BaseException], depth: int = 0) -> bool:
+    """Whether *kind* is somewhere in *exc*'s causes: libp2p wraps a dial's real error in MultiErrors (``errors``)
+    and exception chains several levels deep."""
+    if isinstance(exc, kind):
+        return True
+    if depth > 8:
+        return False
+    inner = [*(getattr(exc, "errors", None) or ()), *(getattr(exc, "exceptions", None) or ()), exc.__cause__, exc.__context__]
+    return any(_caused_by(e, kind, depth + 1) for e in inner if isinstance(e, BaseException))
 
 
 async def check_bootstrap(addrs: Sequence[str], timeout: float = BOOTSTRAP_WAIT) -> None:

@@ -65,6 +65,7 @@ def _import_libp2p() -> SimpleNamespace:
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from libp2p.peer.peerstore import PeerStoreError
     from libp2p.records.validator import NamespacedValidator, Validator
+    from libp2p.security.noise.exceptions import PeerIDMismatchesPubkey
     from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
     from libp2p.security.noise.transport import Transport as NoiseTransport
     from libp2p.tools.anyio_service import background_trio_service
@@ -253,6 +254,7 @@ def _import_libp2p() -> SimpleNamespace:
         ConnectionConfig=ConnectionConfig,
         NOISE_PROTOCOL_ID=NOISE_PROTOCOL_ID,
         NoiseTransport=NoiseTransport,
+        PeerIDMismatchesPubkey=PeerIDMismatchesPubkey,
         DHTMode=DHTMode,
         NamespacedValidator=NamespacedValidator,
         RecordValidator=RecordValidator,
