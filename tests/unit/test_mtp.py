@@ -27,9 +27,9 @@ def loaded(path):
     return Backbone(model), local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w))
 
 
-@pytest.fixture(scope="module", params=["glm4moe", "deepseek2"])
+@pytest.fixture(scope="module", params=["glm4moe", "deepseek2", "qwen3next", "qwen35moe", "step35"])
 def random_mtp(request, model_dir):
-    """A random model of the arch with a dense lead layer and one MTP block (its head is random too)."""
+    """A random model of the arch with one MTP block (its head is random too): glm4moe, deepseek2 and step35 with a dense lead layer, the hybrids with delta-net layers before it."""
     return loaded(make_model(model_dir, request.param, n_layer=3, n_embd=32, n_ff_exp=16))
 
 
