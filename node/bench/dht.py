@@ -32,7 +32,7 @@ from node.bench.common import BenchmarkError
 MODEL = "ab" * 32  # a record names a model by digest; no weights are involved
 START_TIMEOUT = 600.0
 COMMAND_TIMEOUT = 900.0
-START_ATTEMPTS = 3  # a node whose bootstrap did not answer in time is started again (a new identity) this often
+START_ATTEMPTS = 3  # starts (a new identity each) of a node whose join timed out before it is left out and counted
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -49,22 +49,25 @@ async def _child(n_nodes: int, layers: int, bootstrap: list[str], seed: int, ttl
 
     rng = random.Random(seed)
     nodes: list[LibP2PDiscovery] = []
+    start_failures = 0  # starts whose join timed out (a node that failed them all is left out and counted)
     for _ in range(n_nodes):
         # A process's first node joins through the swarm's bootstrap, the others through that first node: one
         # bootstrap answering all 200 joins (and their walks) at once times some of them out on 2 loaded cores.
         via = [a for n in nodes[:1] for a in n.multiaddrs] or bootstrap
-        for attempt in range(START_ATTEMPTS):
+        for _ in range(START_ATTEMPTS):
             d = LibP2PDiscovery(Identity.generate(), bootstrap=via, ttl=ttl, lookup_timeout=20.0)
             try:
                 await d.start()
-                break
             except BootstrapUnreachable:
-                if attempt == START_ATTEMPTS - 1:
-                    raise
-        nodes.append(d)
+                start_failures += 1
+                continue
+            nodes.append(d)
+            break
+    if not nodes:
+        raise BenchmarkError(f"none of this process's {n_nodes} nodes could join ({start_failures} failed starts)")
     layer_of = {str(d.peer_id): (seed * 7919 + i) % layers for i, d in enumerate(nodes)}
     await asyncio.gather(*(d.announce([HostedSlice(MODEL, layer_of[str(d.peer_id)], ((0, 8),), quic_addr="127.0.0.1:9")]) for d in nodes))
-    print(json.dumps({"ready": True, "addrs": [a for d in nodes for a in d.multiaddrs][:1], "peers": layer_of}), flush=True)
+    print(json.dumps({"ready": True, "addrs": [a for d in nodes for a in d.multiaddrs][:1], "peers": layer_of, "start_failures": start_failures}), flush=True)
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         cmd = json.loads(line)
@@ -173,8 +176,9 @@ def run(n_nodes: int, procs: int, layers: int, lookups: int, churn: float, ttl: 
         ready = [first.read(START_TIMEOUT)]
         boot = ready[0]["addrs"]
         shares = [len(r) for r in np.array_split(np.arange(n_nodes - 1), procs)]
-        started += [_Proc(k, layers, i + 1, ttl, boot) for i, k in enumerate(shares)]
-        ready += [p.read(START_TIMEOUT) for p in started[1:]]
+        for i, k in enumerate(shares):  # one process at a time: 8 starting together time their own joins out on 2 cores
+            started.append(_Proc(k, layers, i + 1, ttl, boot))
+            ready.append(started[-1].read(START_TIMEOUT))
         live: dict[str, int] = {peer: layer for r in ready for peer, layer in r["peers"].items()}
         start_s = time.monotonic() - t0
         before = _phase(started, lookups, live, set())
@@ -194,6 +198,8 @@ def run(n_nodes: int, procs: int, layers: int, lookups: int, churn: float, ttl: 
         "layers": layers,
         "log2_nodes": round(math.log2(n_nodes), 2),
         "start_s": round(start_s, 1),
+        "live_nodes": len(live),
+        "start_failures": sum(r["start_failures"] for r in ready),
         "before_churn": before,
         "churn": {"killed": len(killed), "fraction": churn},
         "after_churn": after,

@@ -19,6 +19,7 @@ def test_bench_dht_finds_every_announcer_and_reports_hops_latency_and_churn():
     r = json.loads(p.stdout)
     before, after = r["before_churn"], r["after_churn"]
     assert r["nodes"] == 7 and r["processes"] == 3 and r["churn"]["killed"] == 2
+    assert r["live_nodes"] == 7 and r["start_failures"] == 0  # a quiet loopback swarm: every node joined at once
     assert before["lookups"] == 6 and before["found_fraction"]["all_found"] == 1.0 and before["dead_hosts_named"] == 0, before
     assert before["hops"]["median"] >= 1 and before["latency_ms"]["p50"] > 0
     assert after["lookups"] == 6 and 0 <= after["found_fraction"]["mean"] <= 1
