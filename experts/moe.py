@@ -68,24 +68,34 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 
 
+def selection(logits: np.ndarray, router: Router, selection_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """What llama.cpp's router ranks: (probabilities, selection scores with dropped groups at -inf, group scores or None).
+
+    :func:`route` picks its top-k from these and :func:`route_margin` measures how near that pick is to another; one
+    computation serves both, so the margin is always the margin of the choice the forward made.
+    """
+    logits = logits.astype(np.float32, copy=False)
+    probs = {Gating.SOFTMAX: softmax, Gating.SIGMOID: sigmoid, Gating.SOFTMAX_WEIGHT: lambda z: z}[router.gating](logits)
+    sel = logits if router.select_logits else probs if selection_bias is None else probs + selection_bias
+    if router.n_groups <= 1:
+        return probs, sel, None
+    n, e = sel.shape
+    groups = sel.reshape(n, router.n_groups, e // router.n_groups)
+    top2 = -np.sort(-groups, axis=-1)[..., :2]
+    score = top2[..., 0] + top2[..., 1]
+    keep = np.argsort(-score, axis=-1, kind="stable")[:, : router.n_group_used]
+    mask = np.full(groups.shape[:2], -np.inf, dtype=np.float32)
+    np.put_along_axis(mask, keep, np.float32(0.0), axis=-1)
+    return probs, (groups + mask[..., None]).reshape(n, e), score
+
+
 def route(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Gating -> (biased, group-limited) top-k (slot 0 = highest) -> optional renorm and scale, as llama.cpp.
 
     The selection bias and the group mask only choose the experts; the weights are the unbiased
     probabilities of the chosen ones. Returns (expert ids int32 (n, k), weights float32 (n, k)).
     """
-    logits = logits.astype(np.float32, copy=False)
-    probs = {Gating.SOFTMAX: softmax, Gating.SIGMOID: sigmoid, Gating.SOFTMAX_WEIGHT: lambda z: z}[router.gating](logits)
-    sel = logits if router.select_logits else probs if selection_bias is None else probs + selection_bias
-    if router.n_groups > 1:
-        n, e = sel.shape
-        groups = sel.reshape(n, router.n_groups, e // router.n_groups)
-        top2 = -np.sort(-groups, axis=-1)[..., :2]
-        score = top2[..., 0] + top2[..., 1]
-        keep = np.argsort(-score, axis=-1, kind="stable")[:, : router.n_group_used]
-        mask = np.full(groups.shape[:2], -np.inf, dtype=np.float32)
-        np.put_along_axis(mask, keep, np.float32(0.0), axis=-1)
-        sel = (groups + mask[..., None]).reshape(n, e)
+    probs, sel, _ = selection(logits, router, selection_bias)
     ids = np.argsort(-sel, axis=-1, kind="stable")[:, :k].astype(np.int32)
     w = np.take_along_axis(probs, ids, axis=-1)
     if router.gating is Gating.SOFTMAX_WEIGHT:
@@ -95,6 +105,35 @@ def route(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray
     if router.scale not in (0.0, 1.0):
         w = w * np.float32(router.scale)
     return ids, w.astype(np.float32)
+
+
+def boundary_gap(scores: np.ndarray, kept: int) -> np.ndarray:
+    """Per row: (kept-th largest - (kept+1)-th largest) / (largest - smallest), over the finite scores.
+
+    How far a top-*kept* choice is from swapping its last member for the best one left out, as a fraction of the
+    row's spread, so one margin means the same for softmax probabilities, sigmoid scores and raw logits. inf where
+    nothing is left out (fewer than kept + 1 candidates) or the scores are all equal.
+    """
+    s = -np.sort(-np.where(np.isfinite(scores), scores, np.nan), axis=-1)  # NaN (dropped) sorts last
+    if s.shape[-1] <= kept:
+        return np.full(s.shape[0], np.inf, dtype=np.float32)
+    spread = np.nanmax(s, axis=-1) - np.nanmin(s, axis=-1)
+    gap = s[:, kept - 1] - s[:, kept]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = gap / spread
+    return np.where(np.isnan(gap) | (spread == 0), np.inf, rel).astype(np.float32)
+
+
+def route_margin(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray | None = None) -> np.ndarray:
+    """Per token (n,): the smallest relative gap (:func:`boundary_gap`) at any boundary of :func:`route`'s choice.
+
+    The top-k boundary among the experts of the kept groups, and with expert groups the group boundary too (the last
+    kept group's score vs the best dropped one's). A small margin means a tiny change of the router's input, such as
+    another engine's activation quantization, picks other experts: the verification gate excludes such tokens.
+    """
+    _, sel, groups = selection(logits, router, selection_bias)
+    gap = boundary_gap(sel, k)
+    return gap if groups is None else np.minimum(gap, boundary_gap(groups, router.n_group_used))
 
 
 def weight_inputs(x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

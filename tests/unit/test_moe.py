@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experts.arch import Gating
-from experts.moe import TILE, ExpertSource, Partition, Router, combine, expert_ffn, grouped_moe, ordered_sum, partial_sum, route
+from experts.moe import TILE, ExpertSource, Partition, Router, combine, expert_ffn, grouped_moe, ordered_sum, partial_sum, route, route_margin
 
 
 class RandomExperts(ExpertSource):
@@ -124,3 +124,18 @@ def test_softmax_weight_router_selects_on_logits_and_softmaxes_the_selected():
         chosen = np.exp(logits[t, ids[t]] - logits[t, ids[t]].max())
         np.testing.assert_allclose(w[t], chosen / chosen.sum(), rtol=1e-6)
     assert (np.diff(w, axis=-1) <= 0).all()  # slot 0 is the largest
+
+
+def test_route_margin_is_the_gap_at_the_top_k_and_at_the_group_boundary():
+    """The margin is the k-th minus the (k+1)-th score over the row's spread; with groups the group boundary counts
+    too, so a tie between groups is a small margin even when the chosen experts lead clearly."""
+    scores = np.array([[4.0, 3.0, 2.9, 0.0]], dtype=np.float32)
+    plain = Router(Gating.SOFTMAX_WEIGHT)  # scores as given
+    assert np.isclose(route_margin(scores, 2, plain)[0], 0.1 / 4.0)
+    assert np.isclose(route_margin(scores, 1, plain)[0], 1.0 / 4.0)
+    assert route_margin(scores, 4, plain)[0] == np.inf  # nothing left out
+    grouped = Router(Gating.SOFTMAX_WEIGHT, n_groups=4, n_group_used=2)
+    clear = np.array([[4.0, 3.0, 2.9, 0.0, 1.0, 0.0, 0.5, 0.0]], dtype=np.float32)  # group scores 7, 2.9, 1, 0.5
+    tied = np.array([[4.0, 3.0, 2.9, 0.0, 2.85, 0.0, 0.5, 0.0]], dtype=np.float32)  # 7, 2.9, 2.85, 0.5
+    assert np.isclose(route_margin(clear, 1, grouped)[0], 1.0 / 4.0)  # the expert boundary: 4 vs 3
+    assert np.isclose(route_margin(tied, 1, grouped)[0], 0.05 / 6.5)  # the group boundary: 2.9 vs 2.85
