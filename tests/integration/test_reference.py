@@ -1,8 +1,8 @@
 """Our forward, through each kernel, against llama.cpp's own logits on the same GGUF files (F32 KV cache).
 
 F32 weights: cosine >= 0.99999 and the same argmax everywhere, on the reference and the ggml kernels. Quantized
-weights (Q8_0, Q4_K; MXFP4 for gpt-oss) through the ggml kernel: the quantized gate, cosine >= 0.999 with near ties excluded and
-counted. Only ggml is held to it: like llama.cpp it quantizes the activations inside those matmuls, while the
+weights (Q8_0, Q4_K; MXFP4 for gpt-oss) through the ggml kernel: the quantized gate, cosine >= 0.999 with near ties
+(and routing near-ties, experts.verify.ROUTE_TIE) excluded and counted. Only ggml is held to it: like llama.cpp it quantizes the activations inside those matmuls, while the
 reference kernel multiplies the dequantized weights in float32, which flips router choices on random models
 (measured: Q8_0 min cosine 0.998 for qwen3moe, 0.964 for glm4moe).
 """
@@ -26,7 +26,7 @@ from experts.model_writer import write_model
 from experts.moe import ungrouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
-from experts.verify import DEFAULT_PROMPT, MIN_COSINE, compare, run_gate
+from experts.verify import DEFAULT_PROMPT, MIN_COSINE, ROUTE_TIE_BUDGET, compare, run_gate
 
 from ..conftest import ARCHS, ISSUE15_ARCHS, NEW_ARCHS, make_model
 
@@ -77,6 +77,8 @@ QUANTIZED = [(a, q, 0) for a in ARCHS + NEW_ARCHS + ISSUE15_ARCHS for q in (Q.Q8
 # deepseek2 Q8_0 on seeds 0-2: seeds 0 and 2 have near-tied routes in the last MoE layer that llama.cpp's quantized
 # activations flip (seed 0 positions 39, 67, 68; seed 2 39, 43; see experts.verify.ROUTE_TIE), seed 1 none.
 QUANTIZED += [("deepseek2", Q.Q8_0, seed) for seed in (1, 2)]
+
+
 def quantized_model(model_dir, arch: str, qtype, seed: int = 0) -> GGUFModel:
     return GGUFModel(make_model(model_dir, arch, qtype, seed, **shape(arch, K_SHAPES.get(arch, K_SHAPE) if qtype is Q.Q4_K else SHAPE)))
 
@@ -106,19 +108,22 @@ def test_quantized_model_passes_the_gate_against_llamacpp(model_dir, arch, qtype
     assert run_gate(model, Codec.F32, kernel=make_kernel("ggml", 1))["remote_vs_local"]["bit_identical"]
 
 
-def test_the_routing_near_tie_exclusion_is_needed_and_does_not_excuse_a_wrong_router(model_dir):
+def test_the_routing_near_tie_exclusion_is_needed_and_does_not_excuse_a_defect(model_dir):
     """deepseek2 Q8_0 seed 0 fails the gate without the routing margins (3 flipped positions) and passes with them;
-    with its selection bias left out (a wrong router) it fails even with them: too many positions, not near-tied."""
+    with any of its features done wrong it fails even with them. Measured, a defect puts ~100 of 113 positions below
+    MIN_COSINE with a near-tie there or carried from before (experts.verify.ROUTE_TIE): the budget is what fails it."""
     pytest.importorskip("llama_cpp")
     model = quantized_model(model_dir, "deepseek2", Q.Q8_0, 0)
     tokens = Tokenizer.from_spec(model.tokenizer_spec).encode(DEFAULT_PROMPT)
     bb, hook = engine(model, "ggml")
     bare, c = gate(bb, hook, model, tokens, margins=False), gate(bb, hook, model, tokens)
     assert not bare.passes and bare.min_cosine < MIN_COSINE, bare
-    assert c.passes and 1 <= c.route_ties_excluded <= 3, c
-    DEEPSEEK2_ABLATIONS["selection bias"](bb)
-    wrong = gate(bb, hook, model, tokens)
-    assert not wrong.passes, wrong
+    assert c.passes and c.route_ties_excluded == 3, c
+    for feature, ablate in DEEPSEEK2_ABLATIONS.items():
+        bb, hook = engine(model, "ggml")
+        ablate(bb)
+        wrong = gate(bb, hook, model, tokens)
+        assert not wrong.passes and wrong.route_ties_excluded > ROUTE_TIE_BUDGET * wrong.positions, (feature, wrong)
 
 
 GPT_OSS_ABLATIONS = {
