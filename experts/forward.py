@@ -27,7 +27,7 @@ from .dense_weights import FFN, DenseLinear, DenseWeights, Linear, PackedWeights
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
 from .kernels import Kernel
-from .moe import route, sigmoid, slot_sum, softmax, weight_inputs
+from .moe import route, route_margin, sigmoid, slot_sum, softmax, weight_inputs
 
 # The hook returns a Future of the routed sum, always: the forward computes the shared expert (an
 # independent additive term) while a remote round trip is in flight, then waits, in one place.
@@ -425,12 +425,16 @@ class Backbone:
         assert wo is not None
         return wo(out.reshape(n, heads * cfg.v_head_dim))
 
-    def router(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def router(self, i: int, x: np.ndarray, margins: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Layer *i*'s (expert ids, weights) for x; *margins*, if given, gets each token's routing margin appended
+        (:func:`experts.moe.route_margin`: how near the choice is to another)."""
         L = self.layers[i]
         assert L.router is not None, f"layer {i} is dense: it has no router"
         logits = L.router(x)
         if L.router_bias is not None:
             logits = logits + L.router_bias
+        if margins is not None:
+            margins.append(route_margin(logits, self.cfg.n_expert_used, self.router_params, L.selection_bias))
         return route(logits, self.cfg.n_expert_used, self.router_params, L.selection_bias)
 
     def shared_expert(self, i: int, x: np.ndarray) -> np.ndarray | None:
@@ -446,11 +450,14 @@ class Backbone:
         with np.errstate(over="ignore"):
             return y * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))[:, None]
 
-    def forward(self, tokens: np.ndarray | list[int], cache: KVCache, moe_ffn: MoeFfn, *, hidden: list[np.ndarray] | None = None) -> np.ndarray:
+    def forward(
+        self, tokens: np.ndarray | list[int], cache: KVCache, moe_ffn: MoeFfn, *, hidden: list[np.ndarray] | None = None, margins: list[np.ndarray] | None = None
+    ) -> np.ndarray:
         """Run *tokens* (appended after the cache) through the model; logits (n, vocab) for each.
 
         *hidden*, if given, gets the final hidden state (n, n_embd) appended, output-normed: what the logits are the
-        product of, and what an MTP block continues from (llama.cpp's ``t_h_nextn`` of the main graph).
+        product of, and what an MTP block continues from (llama.cpp's ``t_h_nextn`` of the main graph). *margins*, if
+        given, gets each MoE layer's routing margins (n,) appended in layer order (what the verification gate reads).
         """
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.size == 0:
@@ -460,21 +467,22 @@ class Backbone:
         pos = np.arange(cache.n_past, cache.n_past + tokens.size)
         x = self.tok_embd.rows(tokens)
         for i in range(self.cfg.n_layer):
-            x = self.block(i, x, pos, cache, moe_ffn)
+            x = self.block(i, x, pos, cache, moe_ffn, margins)
         h = rms_norm(x, self.output_norm, self.cfg.rms_eps)
         if hidden is not None:
             hidden.append(h)
         return self.output(h)
 
-    def block(self, i: int, x: np.ndarray, pos: np.ndarray, cache: KVCache, moe_ffn: MoeFfn) -> np.ndarray:
-        """Decoder layer *i* over the residual stream x (n, n_embd) at positions *pos*: attention, then the FFN."""
+    def block(self, i: int, x: np.ndarray, pos: np.ndarray, cache: KVCache, moe_ffn: MoeFfn, margins: list[np.ndarray] | None = None) -> np.ndarray:
+        """Decoder layer *i* over the residual stream x (n, n_embd) at positions *pos*: attention, then the FFN
+        (*margins*: as :meth:`forward`'s)."""
         L = self.layers[i]
         h = rms_norm(x, L.attn_norm, self.cfg.rms_eps)
         x = x + self.attention(i, h, pos, cache)
         h = rms_norm(x, L.ffn_norm, self.cfg.rms_eps)
         if L.ffn is not None:  # a dense layer: nothing to dispatch
             return x + L.ffn(h)
-        ids, w = self.router(i, h)
+        ids, w = self.router(i, h, margins)
         before = self.spec.weight_before_expert
         routed = moe_ffn(i, *weight_inputs(h, ids, w)) if before else moe_ffn(i, h, ids, w)
         sh = self.shared_expert(i, h)  # runs while a remote dispatch is in flight

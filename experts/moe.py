@@ -68,24 +68,40 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 
 
+def selection(logits: np.ndarray, router: Router, selection_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """What llama.cpp's router ranks: (probabilities, selection scores), before any group limit.
+
+    :func:`route` picks its top-k from these (through :func:`group_limit`) and :func:`route_margin` measures how near
+    that pick is to another; one computation serves both, so the margin is always that of the choice the forward made.
+    """
+    logits = logits.astype(np.float32, copy=False)
+    probs = {Gating.SOFTMAX: softmax, Gating.SIGMOID: sigmoid, Gating.SOFTMAX_WEIGHT: lambda z: z}[router.gating](logits)
+    return probs, logits if router.select_logits else probs if selection_bias is None else probs + selection_bias
+
+
+def group_limit(sel: np.ndarray, router: Router) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(*sel* with the experts of dropped groups at -inf, each group's score (n, groups), the index of its top two
+    in the group (n, groups, 2)); without groups *sel* as is and None, None."""
+    if router.n_groups <= 1:
+        return sel, None, None
+    n, e = sel.shape
+    groups = sel.reshape(n, router.n_groups, e // router.n_groups)
+    top2 = np.argsort(-groups, axis=-1, kind="stable")[..., :2]
+    score = np.take_along_axis(groups, top2, axis=-1).sum(axis=-1)
+    keep = np.argsort(-score, axis=-1, kind="stable")[:, : router.n_group_used]
+    mask = np.full(groups.shape[:2], -np.inf, dtype=np.float32)
+    np.put_along_axis(mask, keep, np.float32(0.0), axis=-1)
+    return (groups + mask[..., None]).reshape(n, e), score, top2
+
+
 def route(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Gating -> (biased, group-limited) top-k (slot 0 = highest) -> optional renorm and scale, as llama.cpp.
 
     The selection bias and the group mask only choose the experts; the weights are the unbiased
     probabilities of the chosen ones. Returns (expert ids int32 (n, k), weights float32 (n, k)).
     """
-    logits = logits.astype(np.float32, copy=False)
-    probs = {Gating.SOFTMAX: softmax, Gating.SIGMOID: sigmoid, Gating.SOFTMAX_WEIGHT: lambda z: z}[router.gating](logits)
-    sel = logits if router.select_logits else probs if selection_bias is None else probs + selection_bias
-    if router.n_groups > 1:
-        n, e = sel.shape
-        groups = sel.reshape(n, router.n_groups, e // router.n_groups)
-        top2 = -np.sort(-groups, axis=-1)[..., :2]
-        score = top2[..., 0] + top2[..., 1]
-        keep = np.argsort(-score, axis=-1, kind="stable")[:, : router.n_group_used]
-        mask = np.full(groups.shape[:2], -np.inf, dtype=np.float32)
-        np.put_along_axis(mask, keep, np.float32(0.0), axis=-1)
-        sel = (groups + mask[..., None]).reshape(n, e)
+    probs, sel = selection(logits, router, selection_bias)
+    sel, _, _ = group_limit(sel, router)
     ids = np.argsort(-sel, axis=-1, kind="stable")[:, :k].astype(np.int32)
     w = np.take_along_axis(probs, ids, axis=-1)
     if router.gating is Gating.SOFTMAX_WEIGHT:
@@ -95,6 +111,47 @@ def route(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray
     if router.scale not in (0.0, 1.0):
         w = w * np.float32(router.scale)
     return ids, w.astype(np.float32)
+
+
+def boundary_gap(scores: np.ndarray, slope: np.ndarray, kept: int) -> np.ndarray:
+    """Per row: how far the logits must move to swap the last of the top-*kept* scores with the best one left out.
+
+    (kept-th largest - (kept+1)-th largest) / (the sum of their *slope*s, d score / d logit): the change of the
+    router's logits, pushing the two apart in opposite directions, that closes the gap. inf where nothing is left
+    out (fewer than kept + 1 finite scores).
+    """
+    finite = np.isfinite(scores)
+    if scores.shape[-1] <= kept:
+        return np.full(scores.shape[0], np.inf, dtype=np.float32)
+    order = np.argsort(-np.where(finite, scores, -np.inf), axis=-1, kind="stable")[:, kept - 1 : kept + 1]
+    s, d = np.take_along_axis(scores, order, axis=-1), np.take_along_axis(slope, order, axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        gap = (s[:, 0] - s[:, 1]) / (d[:, 0] + d[:, 1])
+    return np.where(np.isfinite(s[:, 1]), gap, np.inf).astype(np.float32)
+
+
+def route_margin(logits: np.ndarray, k: int, router: Router, selection_bias: np.ndarray | None = None) -> np.ndarray:
+    """Per token (n,): the smallest logit change that makes :func:`route` choose otherwise, over the RMS of the logits.
+
+    The top-k boundary among the experts of the kept groups, and with expert groups the group boundary too (the last
+    kept group's score vs the best dropped one's; a group's slope is that of its top two). In logit units because
+    that is where another engine's error arrives (its activation quantization perturbs the router's input, so its
+    logits, in proportion to their size), whatever the gating: a swap of two negligible softmax experts needs as
+    large a logit change as any other, and sigmoid scores crowded near 0.5 need little. Slopes: p (1 - p) for
+    softmax and sigmoid (softmax's own term), 1 where the scores are the logits. A small margin means a tiny change
+    of the router's input picks other experts: the verification gate excludes such tokens.
+    """
+    probs, sel = selection(logits, router, selection_bias)
+    kept, score, top2 = group_limit(sel, router)
+    raw = router.select_logits or router.gating is Gating.SOFTMAX_WEIGHT
+    slope = np.ones_like(probs) if raw else probs * (np.float32(1.0) - probs)
+    rms = np.sqrt(np.mean(np.square(logits.astype(np.float64)), axis=-1)).astype(np.float32)
+    gap = boundary_gap(kept, slope, k)
+    if score is not None and top2 is not None:
+        group_slope = np.take_along_axis(slope.reshape(top2.shape[0], top2.shape[1], -1), top2, axis=-1).sum(axis=-1)
+        gap = np.minimum(gap, boundary_gap(score, group_slope, router.n_group_used))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(rms > 0, gap / rms, np.inf).astype(np.float32)
 
 
 def weight_inputs(x: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

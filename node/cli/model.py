@@ -59,7 +59,7 @@ def verify_cmd(model: str, wire: str, reference: str | None, groups: int, as_jso
                    f"argmax {rl['argmax_agree']:.3f}, bit-identical {rl['bit_identical']} over {rl['positions']} positions")
         if result["reference"]:
             r = result["reference"]
-            click.echo(f"llama.cpp: min cosine {r['min_cosine']:.7f}, argmax {r['argmax_agree']:.3f} ({r['near_ties_excluded']} near ties excluded)")
+            click.echo(f"llama.cpp: min cosine {r['min_cosine']:.7f}, argmax {r['argmax_agree']:.3f} ({r['near_ties_excluded']} near ties, {r['route_ties_excluded']} routing near-ties excluded)")
         click.echo(f"verdict: {result['verdict']}")
     raise SystemExit(0 if result["verdict"] == "pass" else 1)
 

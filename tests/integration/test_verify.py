@@ -56,7 +56,7 @@ def test_reference_llamacpp_in_the_json(model_dir, tmp_path):
     assert rc == 0 and ref["engine"] == "llamacpp"
     assert ref["min_cosine"] >= 0.99999 and ref["argmax_agree"] == 1.0
     assert ref["positions"] == out["remote_vs_local"]["positions"]
-    assert {"near_ties_excluded"} <= ref.keys()
+    assert {"near_ties_excluded", "route_ties_excluded"} <= ref.keys()
 
 
 def test_default_wire_is_f16_only_after_its_gate_passed(model_dir, tmp_path, monkeypatch):

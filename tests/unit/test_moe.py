@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experts.arch import Gating
-from experts.moe import TILE, ExpertSource, Partition, Router, combine, expert_ffn, grouped_moe, ordered_sum, partial_sum, route
+from experts.moe import TILE, ExpertSource, Partition, Router, combine, expert_ffn, grouped_moe, ordered_sum, partial_sum, route, route_margin
 
 
 class RandomExperts(ExpertSource):
@@ -124,3 +124,26 @@ def test_softmax_weight_router_selects_on_logits_and_softmaxes_the_selected():
         chosen = np.exp(logits[t, ids[t]] - logits[t, ids[t]].max())
         np.testing.assert_allclose(w[t], chosen / chosen.sum(), rtol=1e-6)
     assert (np.diff(w, axis=-1) <= 0).all()  # slot 0 is the largest
+
+
+def test_route_margin_is_the_logit_change_that_flips_a_top_k_or_group_boundary():
+    """The margin is the logit move (each of the two boundary scores pushed half the way) that swaps the k-th and
+    (k+1)-th choice, over the logits' RMS; with groups the group boundary counts too, so a tie between groups is a
+    small margin even when the chosen experts lead clearly."""
+
+    def rms(z):
+        return float(np.sqrt(np.mean(z.astype(np.float64) ** 2)))
+
+    raw = Router(Gating.SOFTMAX_WEIGHT)  # the scores are the logits (slope 1)
+    z = np.array([[4.0, 3.0, 2.9, 0.0]], dtype=np.float32)
+    assert np.isclose(route_margin(z, 2, raw)[0] * rms(z), 0.1 / 2)
+    assert np.isclose(route_margin(z, 1, raw)[0] * rms(z), 1.0 / 2)
+    assert route_margin(z, 4, raw)[0] == np.inf  # nothing left out
+    sig = np.array([[2.0, 0.01, 0.0, -3.0]], dtype=np.float32)  # sigmoid: the same half logit gap, near enough
+    assert np.isclose(route_margin(sig, 2, Router(Gating.SIGMOID))[0] * rms(sig), 0.01 / 2, rtol=1e-3)
+    grouped = Router(Gating.SOFTMAX_WEIGHT, n_groups=4, n_group_used=2)
+    clear = np.array([[4.0, 3.0, 2.9, 0.0, 1.0, 0.0, 0.5, 0.0]], dtype=np.float32)  # group scores 7, 2.9, 1, 0.5
+    tied = np.array([[4.0, 3.0, 2.9, 0.0, 2.85, 0.0, 0.5, 0.0]], dtype=np.float32)  # 7, 2.9, 2.85, 0.5
+    assert np.isclose(route_margin(clear, 1, grouped)[0] * rms(clear), (2.9 - 1.0) / 4)  # group boundary, 4 slopes
+    assert np.isclose(route_margin(tied, 1, grouped)[0] * rms(tied), (2.9 - 2.85) / 4)
+    assert route(tied, 1, grouped)[0][0, 0] == 0 and route_margin(tied, 1, Router(Gating.SOFTMAX_WEIGHT))[0] * rms(tied) == 0.5
