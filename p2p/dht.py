@@ -16,6 +16,10 @@ Storage scheme
 
 libp2p 0.8.1 defects (each measured here) and what this module does about them
   * 250 ms head start per dial: ``ConnectionConfig(max_connections_per_peer=1)`` (7 ms instead).
+  * Every host keeps dialing peers from its peerstore until it holds ~200 connections (auto-connector target between
+    the default watermarks 100 and 300, re-checked every 10 s below 50): a swarm of N nodes converges on a full mesh,
+    O(N^2) Noise+Yamux connections, and 175 nodes on one machine stopped admitting joins. Kademlia needs no standing
+    connections (a lookup dials whom it asks), so `connection_config` keeps a few, as kubo's bootstrapper does.
   * Default hosts accept /plaintext/2.0.0: we offer Noise only (``sec_opt``).
   * Servers drop a sender's ADD_PROVIDER past 10 per 10 s, silently: `ProvidePacer` sends at most
     8 per 10.5 s, and libp2p's own unpaced republishing is switched off (we re-announce ourselves).
@@ -220,6 +224,16 @@ async def _tcp_reason(host: str, port: int, left: float) -> str | None:
         return os.strerror(exc.errno).lower() if isinstance(exc, OSError) and exc.errno else f"no answer within {CONNECT_TIMEOUT:.0f} s"
 
 
+# Standing connections a DHT host keeps: the auto-connector dials up to the midpoint of the watermarks (16) and
+# the pruner trims past the high one once connections are older than libp2p's 20 s grace period.
+MIN_CONNECTIONS, LOW_WATERMARK, HIGH_WATERMARK = 4, 8, 24
+
+
+def connection_config(lib: Any) -> Any:
+    """libp2p's connection manager settings for our hosts (see the module docstring for why not its defaults)."""
+    return lib.ConnectionConfig(max_connections_per_peer=1, min_connections=MIN_CONNECTIONS, low_watermark=LOW_WATERMARK, high_watermark=HIGH_WATERMARK)
+
+
 async def _handshake(addr: str) -> str:
     """How a libp2p host with a fresh key fares in a Noise handshake with the peer *addr* names: "ok", "refused"
     (the peer there proved another key) or "slow" (no answer within CONNECT_TIMEOUT, or the dial failed some other
@@ -227,7 +241,7 @@ async def _handshake(addr: str) -> str:
     lib = libp2p_api()
     key_pair = lib.create_new_key_pair(Identity.generate().seed)
     noise = lib.NoiseTransport(key_pair, noise_privkey=lib.create_x25519_key_pair().private_key)
-    host = lib.new_host(key_pair=key_pair, sec_opt={lib.NOISE_PROTOCOL_ID: noise}, connection_config=lib.ConnectionConfig(max_connections_per_peer=1))
+    host = lib.new_host(key_pair=key_pair, sec_opt={lib.NOISE_PROTOCOL_ID: noise}, connection_config=connection_config(lib))
     async with host.run([]):
         try:
             with trio.move_on_after(CONNECT_TIMEOUT) as scope:
@@ -317,7 +331,7 @@ class _Node:
         self.host = lib.new_host(
             key_pair=key_pair,
             sec_opt={lib.NOISE_PROTOCOL_ID: noise},
-            connection_config=lib.ConnectionConfig(max_connections_per_peer=1),
+            connection_config=connection_config(lib),
             listen_addrs=[listen],
         )
         if self.host.get_id().to_base58() != str(self.identity.peer_id):
