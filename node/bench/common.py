@@ -45,3 +45,65 @@ def message_bytes(d: int, k: int, n_tokens: int = 1) -> dict:
             reply = wire.DispatchReply(b"\1" * 16, codec, n_tokens, b"\0" * encoded_size(codec, rows, d), 0, b"\0" * 72).encode()
             out[f"{kind}_{codec.name.lower()}"] = {"out": len(req) / n_tokens, "back": len(reply) / n_tokens, "total": (len(req) + len(reply)) / n_tokens}
     return out
+
+
+# The echo side of `udp_round_trip_floor`: a bare asyncio datagram protocol that answers every datagram with
+# `back` bytes, in its own interpreter (so the floor includes a process switch, as a worker's reply does).
+_ECHO = """
+import asyncio, sys
+class Echo(asyncio.DatagramProtocol):
+    def connection_made(self, t): self.t = t
+    def datagram_received(self, d, a): self.t.sendto(REPLY, a)
+REPLY = bytes(int(sys.argv[1]))
+async def main():
+    t, _ = await asyncio.get_running_loop().create_datagram_endpoint(Echo, local_addr=("127.0.0.1", 0))
+    print(t.get_extra_info("sockname")[1], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+asyncio.run(main())
+"""
+
+
+def udp_round_trip_floor(out_bytes: int, back_bytes: int, n: int = 2000, timeout: float = 30.0) -> dict:
+    """What the cheapest Python request/reply between two processes on loopback costs at a dispatch's sizes: one
+    UDP datagram each way through asyncio, no QUIC, no crypto, no decode, no compute.
+
+    Why: `bench dispatch`'s gap is per-dispatch overhead; this is the part of it no Python transport with asyncio at
+    the edges can remove, so the report can say how much of the gap is reachable at all."""
+    import asyncio
+    import subprocess
+    import sys
+
+    async def measure(port: int) -> list[float]:
+        loop = asyncio.get_running_loop()
+        waiter: list[asyncio.Future] = []
+
+        class Client(asyncio.DatagramProtocol):
+            def datagram_received(self, data: bytes, addr: object) -> None:
+                if waiter and not waiter[0].done():
+                    waiter[0].set_result(None)
+
+        transport, _ = await loop.create_datagram_endpoint(Client, remote_addr=("127.0.0.1", port))
+        payload, samples = bytes(out_bytes), []
+        try:
+            for _ in range(n + n // 10):  # the first tenth warms up
+                waiter[:] = [loop.create_future()]
+                t = time.perf_counter()
+                transport.sendto(payload)
+                await asyncio.wait_for(waiter[0], 1.0)  # loopback UDP does not drop, but never wait forever
+                samples.append(time.perf_counter() - t)
+        finally:
+            transport.close()
+        return samples[n // 10 :]
+
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO, str(back_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert echo.stdout is not None
+        port = int(echo.stdout.readline() or 0)
+        if not port:
+            raise BenchmarkError("the UDP echo process did not start")
+        samples = asyncio.run(asyncio.wait_for(measure(port), timeout))
+    finally:
+        echo.kill()
+        echo.wait()
+    ms = np.array(samples) * 1e3
+    return {"udp_round_trip_ms_p50": round(float(np.median(ms)), 3), "udp_round_trip_ms_p10": round(float(np.percentile(ms, 10)), 3), "round_trips": len(samples)}
