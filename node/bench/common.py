@@ -48,7 +48,7 @@ def message_bytes(d: int, k: int, n_tokens: int = 1) -> dict:
 
 
 # The echo side of `udp_round_trip_floor`: a bare asyncio datagram protocol that answers every datagram with
-# `back` bytes, in its own interpreter (so the floor includes a process switch, as a worker's reply does).
+# argv[1] zero bytes, in its own interpreter (so the floor includes a process switch, as a worker's reply does).
 _ECHO = """
 import asyncio, sys
 class Echo(asyncio.DatagramProtocol):
@@ -75,21 +75,22 @@ def udp_round_trip_floor(out_bytes: int, back_bytes: int, n: int = 2000, timeout
 
     async def measure(port: int) -> list[float]:
         loop = asyncio.get_running_loop()
-        waiter: list[asyncio.Future] = []
 
         class Client(asyncio.DatagramProtocol):
-            def datagram_received(self, data: bytes, addr: object) -> None:
-                if waiter and not waiter[0].done():
-                    waiter[0].set_result(None)
+            reply: asyncio.Future = loop.create_future()
 
-        transport, _ = await loop.create_datagram_endpoint(Client, remote_addr=("127.0.0.1", port))
+            def datagram_received(self, data: bytes, addr: object) -> None:
+                if not self.reply.done():
+                    self.reply.set_result(None)
+
+        transport, client = await loop.create_datagram_endpoint(Client, remote_addr=("127.0.0.1", port))
         payload, samples = bytes(out_bytes), []
         try:
             for _ in range(n + n // 10):  # the first tenth warms up
-                waiter[:] = [loop.create_future()]
+                client.reply = loop.create_future()
                 t = time.perf_counter()
                 transport.sendto(payload)
-                await asyncio.wait_for(waiter[0], 1.0)  # loopback UDP does not drop, but never wait forever
+                await asyncio.wait_for(client.reply, 1.0)  # loopback UDP does not drop, but never wait forever
                 samples.append(time.perf_counter() - t)
         finally:
             transport.close()
