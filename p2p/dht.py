@@ -354,8 +354,13 @@ class _Node:
                     log.debug(
                         "dht.started", peer=str(self.identity.peer_id), addrs=self.multiaddrs, client=self.client_mode
                     )
-                    yield tasks
-                    tasks.cancel_scope.cancel()
+                    try:
+                        yield tasks
+                    finally:
+                        # A KAD stream arriving while the host shuts down must not spawn into our closed nursery
+                        # (trio's "Nursery is closed to new arrivals" ended the node's thread as a crash).
+                        self.dht.spawn = None
+                        tasks.cancel_scope.cancel()
             finally:
                 # Leaving host.run() closes no connection, and once it has stopped the swarm, close()
                 # no longer reaches them either: close while the host still runs.

@@ -30,7 +30,7 @@ import numpy as np
 from node.bench.common import BenchmarkError
 
 MODEL = "ab" * 32  # a record names a model by digest; no weights are involved
-START_TIMEOUT = 600.0
+START_TIMEOUT = 1200.0  # one process's joins; 25 nodes joining a swarm of 175 took 9 min on 2 cores
 COMMAND_TIMEOUT = 900.0
 START_ATTEMPTS = 3  # starts (a new identity each) of a node whose join timed out before it is left out and counted
 
@@ -51,10 +51,11 @@ async def _child(n_nodes: int, layers: int, bootstrap: list[str], seed: int, ttl
     nodes: list[LibP2PDiscovery] = []
     start_failures = 0  # starts whose join timed out (a node that failed them all is left out and counted)
     for _ in range(n_nodes):
-        # A process's first node joins through the swarm's bootstrap, the others through that first node: one
-        # bootstrap answering all 200 joins (and their walks) at once times some of them out on 2 loaded cores.
-        via = [a for n in nodes[:1] for a in n.multiaddrs] or bootstrap
         for _ in range(START_ATTEMPTS):
+            # A process's first node joins through one of the swarm's entry nodes (the bootstrap and every earlier
+            # process's first node; another pick each attempt), the others through that first node: a single
+            # bootstrap answering every join (and the walks that follow) stops answering in time on 2 loaded cores.
+            via = [a for n in nodes[:1] for a in n.multiaddrs] or [rng.choice(bootstrap)]
             d = LibP2PDiscovery(Identity.generate(), bootstrap=via, ttl=ttl, lookup_timeout=20.0)
             try:
                 await d.start()
@@ -97,7 +98,7 @@ def child_main() -> None:
     n, layers, seed, ttl = (int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
     from node.logs import configure_logging
 
-    configure_logging("error")  # stdout is the parent's channel
+    configure_logging("warning")  # stdout is the parent's channel; stderr (why a join failed) is shown when a process fails
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # dozens of nodes, each with a connection per peer
     asyncio.run(_child(n, layers, sys.argv[6:], seed, ttl))
@@ -174,11 +175,15 @@ def run(n_nodes: int, procs: int, layers: int, lookups: int, churn: float, ttl: 
     started = [first]
     try:
         ready = [first.read(START_TIMEOUT)]
-        boot = ready[0]["addrs"]
+        entries = list(ready[0]["addrs"])  # where a new process joins: the bootstrap, then each process's first node
         shares = [len(r) for r in np.array_split(np.arange(n_nodes - 1), procs)]
         for i, k in enumerate(shares):  # one process at a time: 8 starting together time their own joins out on 2 cores
-            started.append(_Proc(k, layers, i + 1, ttl, boot))
-            ready.append(started[-1].read(START_TIMEOUT))
+            started.append(_Proc(k, layers, i + 1, ttl, entries))
+            try:
+                ready.append(started[-1].read(START_TIMEOUT))
+            except BenchmarkError as exc:
+                raise BenchmarkError(f"{exc}\n(the bootstrap's process: {first.tail() or 'nothing on stderr'})") from None
+            entries += ready[-1]["addrs"]
         live: dict[str, int] = {peer: layer for r in ready for peer, layer in r["peers"].items()}
         start_s = time.monotonic() - t0
         before = _phase(started, lookups, live, set())

@@ -349,3 +349,20 @@ def test_closed_nodes_leave_no_socket_open():
 
     port = run(pair())
     assert port not in tcp_ports_in_use()
+
+
+def test_a_kad_stream_reaching_a_closed_node_spawns_nothing():
+    """An inbound KAD stream can reach ``add_peer`` after our nursery has closed, while the host is still closing: a
+    peer whose identify has not answered must then be left alone, not handed to that nursery (trio's "Nursery is
+    closed to new arrivals" ended the node's thread, logged as ``dht.node_crashed``, at every few closes)."""
+    from libp2p.peer.id import ID
+
+    async def closed() -> LibP2PDiscovery:
+        d = LibP2PDiscovery(Identity.generate())
+        await d.start()
+        await d.close()
+        return d
+
+    node = run(closed())._node
+    stranger = ID.from_base58(str(Identity.generate().peer_id))
+    assert trio.run(partial(node.dht.add_peer, stranger, skip_server_mode_check=True)) is False
