@@ -55,7 +55,7 @@ async def _child(n_nodes: int, layers: int, bootstrap: list[str], seed: int, ttl
             # A process's first node joins through one of the swarm's entry nodes (the bootstrap and every earlier
             # process's first node; another pick each attempt), the others through that first node: a single
             # bootstrap answering every join (and the walks that follow) stops answering in time on 2 loaded cores.
-            via = [a for n in nodes[:1] for a in n.multiaddrs] or [rng.choice(bootstrap)]
+            via = [a for n in nodes[:1] for a in n.multiaddrs] or rng.sample(bootstrap, min(1, len(bootstrap)))
             d = LibP2PDiscovery(Identity.generate(), bootstrap=via, ttl=ttl, lookup_timeout=20.0)
             try:
                 await d.start()
