@@ -298,8 +298,10 @@ class _Node:
         lookup_timeout: float,
         clock: Callable[[], float],
         models: Sequence[ModelShape],
+        routing_refresh: float | None,
     ) -> None:
         self.identity, self.listen, self.bootstrap = identity, tcp_multiaddr(listen), list(bootstrap)
+        self.routing_refresh = routing_refresh
         self.models = {m.digest: m for m in models}  # the models this node loaded: records must fit their shape
         self.client_mode, self.lookup_timeout, self.clock = client_mode, lookup_timeout, clock
         self.announcer = Announcer(identity, ttl=ttl)
@@ -341,7 +343,8 @@ class _Node:
         )
         mode = lib.DHTMode.CLIENT if self.client_mode else lib.DHTMode.SERVER
         self.dht = lib.ServerOnlyKadDHT(
-            self.host, mode, validator=validator, validator_changed=True, strict_validation=True, clock=self.clock
+            self.host, mode, validator=validator, validator_changed=True, strict_validation=True, clock=self.clock,
+            refresh_interval=self.routing_refresh,
         )
         async with self.host.run([listen]):
             try:
@@ -663,7 +666,8 @@ class LibP2PDiscovery:
     ``/ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...``. ``client_mode`` is for NAT-bound nodes: they query
     and publish but serve nobody (they still listen: libp2p drops provider records without an
     address). ``models``: the shapes of the models this node loaded; it refuses to store or return records
-    naming layers or experts they do not have. Use ``async with LibP2PDiscovery(...) as d:`` or start()/close().
+    naming layers or experts they do not have. ``routing_refresh``: seconds between the walks that refresh the routing
+    table (one per non-empty k-bucket; libp2p's 10 min when None). Use ``async with LibP2PDiscovery(...) as d:`` or start()/close().
     """
 
     def __init__(
@@ -677,6 +681,7 @@ class LibP2PDiscovery:
         lookup_timeout: float = 10.0,
         clock: Callable[[], float] = time.time,
         models: Sequence[ModelShape] = (),
+        routing_refresh: float | None = None,
     ) -> None:
         self.peer_id = identity.peer_id
         self._listen = listen
@@ -689,6 +694,7 @@ class LibP2PDiscovery:
             lookup_timeout=lookup_timeout,
             clock=clock,
             models=models,
+            routing_refresh=routing_refresh,
         )
         self._thread = TrioThread(f"dht-{identity.peer_id.short()}")
 

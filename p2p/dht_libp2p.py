@@ -203,8 +203,9 @@ def _import_libp2p() -> SimpleNamespace:
         identify has not answered yet is checked again once it has.
         """
 
-        def __init__(self, *args: Any, clock: Callable[[], float], **kwargs: Any) -> None:
+        def __init__(self, *args: Any, clock: Callable[[], float], refresh_interval: float | None = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self.refresh_interval = refresh_interval or ROUTING_TABLE_REFRESH_INTERVAL  # libp2p's 10 min by default
             self.value_store = ExpiringValueStore(host=self.host, local_peer_id=self.local_peer_id)
             self.provider_store = FairProviderStore(self.host, clock)
             self.peer_routing = ServerOnlyPeerRouting(self.host, self.routing_table)
@@ -232,7 +233,7 @@ def _import_libp2p() -> SimpleNamespace:
                     self.provider_store.cleanup_expired()
                 except Exception as exc:  # as libp2p does: log and keep maintaining
                     log.warning("dht.maintenance_failed", error=repr(exc))
-                await trio.sleep(ROUTING_TABLE_REFRESH_INTERVAL)
+                await trio.sleep(self.refresh_interval)
 
         async def _add_once_identified(self, peer_id: Any) -> None:
             try:
