@@ -13,6 +13,11 @@ Two audiences, one stream (stderr):
 ``json_logs``: every line is one JSON object, ours and the libraries' alike (stdlib records are rendered by
 structlog's ``ProcessorFormatter``), and an exception is structured data (``dict_tracebacks``: an ``exception``
 list of frames), never a bare ``"exc_info": true``.
+
+Both paths end in one :class:`structlog.WriteLogger` per stream: one lock and one ``write(line + "\\n")`` per line.
+structlog's ``PrintLogger`` and a stdlib ``StreamHandler`` each lock only themselves, and ``print`` writes the
+newline separately, so a libp2p record from the DHT's thread could land between one of our lines and its newline:
+two JSON objects on one line.
 """
 
 from __future__ import annotations
@@ -50,6 +55,21 @@ def _renderer(json_logs: bool) -> list[Any]:
     return [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()] if json_logs else [structlog.dev.ConsoleRenderer(colors=False)]
 
 
+class _LineHandler(logging.Handler):
+    """A stdlib handler that writes each formatted record through *sink*, the structlog logger of the same stream, so
+    the two share its lock (see the module docstring)."""
+
+    def __init__(self, sink: structlog.WriteLogger) -> None:
+        super().__init__()
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sink.msg(self.format(record))
+        except Exception:  # logging's contract: a failing handler reports through handleError, never raises
+            self.handleError(record)
+
+
 def configure_logging(level: str = DEFAULT_LEVEL, *, json_logs: bool = False, stream: Any = None) -> None:
     """Route structlog and stdlib logging to *stream* (default stderr) at *level*, as the module docstring says."""
     lvl = getattr(logging, level.upper())
@@ -64,10 +84,10 @@ def configure_logging(level: str = DEFAULT_LEVEL, *, json_logs: bool = False, st
             *_renderer(json_logs),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        logger_factory=structlog.WriteLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
-    handler = logging.StreamHandler(out)
+    handler = _LineHandler(structlog.WriteLogger(out))
     handler.addFilter(ThirdPartyToDebug(lvl))
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(

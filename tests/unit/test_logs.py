@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
+import time
 
 import pytest
 import structlog
@@ -92,3 +94,31 @@ def test_json_lines_only_with_structured_tracebacks(output):
     for e in failed:
         assert "exc_info" not in e
         assert e["exception"][0]["exc_type"] == "KeyError" and e["exception"][0]["frames"], e
+
+
+class YieldingStream(io.StringIO):
+    """A stream whose every write lets other threads run first, as a pipe to a busy reader does."""
+
+    def write(self, s: str) -> int:
+        time.sleep(0.0001)
+        return super().write(s)
+
+
+def test_json_lines_from_two_threads_never_share_a_line(output):
+    """Our events from one thread and libp2p's records from another (the DHT's trio thread) at --log-json: every line is
+    exactly one JSON object. ``print`` writes the newline separately, so two writers with separate locks interleave."""
+    stream = YieldingStream()
+    configure_logging("debug", json_logs=True, stream=stream)
+    libp2p = detached_libp2p()
+    ours = structlog.get_logger("node.worker.node")
+    threads = [
+        threading.Thread(target=lambda: [ours.info("dispatch.served", n=i) for i in range(300)]),
+        threading.Thread(target=lambda: [libp2p.error("redial failed: %d", i) for i in range(300)]),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    events = [json.loads(line) for line in stream.getvalue().splitlines()]  # raises on two objects on one line
+    assert sum(e["event"] == "dispatch.served" for e in events) == 300
+    assert sum(e["event"].startswith("redial failed") for e in events) == 300
