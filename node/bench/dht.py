@@ -47,7 +47,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 # -- the child: a share of the nodes
 
 
-async def _child(n_nodes: int, layers: int, bootstrap: list[str], seed: int, ttl: float) -> None:
+async def _child(n_nodes: int, layers: int, bootstrap: list[str], seed: int, ttl: float, lookup_timeout: float) -> None:
     from p2p.dht import BootstrapUnreachable, LibP2PDiscovery
     from p2p.identity import Identity
     from p2p.records import HostedSlice
@@ -61,7 +61,7 @@ async def _child(n_nodes: int, layers: int, bootstrap: list[str], seed: int, ttl
             # process's first node; another pick each attempt), the others through that first node: a single
             # bootstrap answering every join (and the walks that follow) stops answering in time on 2 loaded cores.
             via = [a for n in nodes[:1] for a in n.multiaddrs] or rng.sample(bootstrap, min(1, len(bootstrap)))
-            d = LibP2PDiscovery(Identity.generate(), bootstrap=via, ttl=ttl, lookup_timeout=20.0, routing_refresh=ttl)
+            d = LibP2PDiscovery(Identity.generate(), bootstrap=via, ttl=ttl, lookup_timeout=lookup_timeout, routing_refresh=ttl)
             try:
                 await d.start()
             except BootstrapUnreachable:
@@ -100,21 +100,21 @@ async def _child(n_nodes: int, layers: int, bootstrap: list[str], seed: int, ttl
 
 
 def child_main() -> None:
-    n, layers, seed, ttl = (int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+    n, layers, seed, ttl, lookup_timeout = (int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))
     from node.logs import configure_logging
 
     configure_logging("warning")  # stdout is the parent's channel; stderr (why a join failed) is shown when a process fails
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # dozens of nodes, each with a connection per peer
-    asyncio.run(_child(n, layers, sys.argv[6:], seed, ttl))
+    asyncio.run(_child(n, layers, sys.argv[7:], seed, ttl, lookup_timeout))
 
 
 # -- the parent
 
 
 class _Proc:
-    def __init__(self, n: int, layers: int, seed: int, ttl: float, bootstrap: list[str]) -> None:
-        cmd = [sys.executable, "-m", "node.bench.dht", "child", str(n), str(layers), str(seed), str(ttl), *bootstrap]
+    def __init__(self, n: int, layers: int, seed: int, ttl: float, lookup_timeout: float, bootstrap: list[str]) -> None:
+        cmd = [sys.executable, "-m", "node.bench.dht", "child", str(n), str(layers), str(seed), str(ttl), str(lookup_timeout), *bootstrap]
         self.err = tempfile.TemporaryFile("w+")
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
 
@@ -149,7 +149,7 @@ class _Proc:
             self.p.wait()
 
 
-def _phase(procs: list[_Proc], lookups: int, in_flight: int, live: dict[str, int], dead: set[str]) -> dict:
+def _phase(procs: list[_Proc], lookups: int, in_flight: int, timeout_s: float, live: dict[str, int], dead: set[str]) -> dict:
     """Each process runs its share of the lookups one after another; ``in_flight`` processes at a time (each lookup
     costs its ~80 peers' Python too: 9 processes' lookups at once at 200 nodes ran the 2 cores at load 20 and nearly
     every lookup into its 20 s timeout)."""
@@ -160,11 +160,13 @@ def _phase(procs: list[_Proc], lookups: int, in_flight: int, live: dict[str, int
         for p in wave:
             p.send(do="lookup", n=per)
         rows += [row for p in wave for row in p.read(COMMAND_TIMEOUT)["lookups"]]
-    found, stale = [], 0
+    found, finished, stale = [], [], 0
     for r in rows:
         want = {peer for peer, layer in live.items() if layer == r["layer"]}
         got = set(r["found"])
         found.append(len(got & want) / len(want) if want else 1.0)
+        if r["ms"] < timeout_s * 1e3:  # a lookup cut off at its timeout returns what it had fetched by then
+            finished.append(found[-1])
         stale += len(got & dead)
     ms = [r["ms"] for r in rows]
     hops = [r["hops"] for r in rows]
@@ -174,22 +176,24 @@ def _phase(procs: list[_Proc], lookups: int, in_flight: int, live: dict[str, int
         "peers_asked_median": float(np.median([r["asked"] for r in rows])),
         "latency_ms": {"p50": _pct(ms, 50), "p90": _pct(ms, 90), "p99": _pct(ms, 99)},
         "found_fraction": {"mean": round(float(np.mean(found)), 4), "min": round(min(found), 4), "all_found": round(sum(f == 1.0 for f in found) / len(found), 4)},
+        "timed_out": len(rows) - len(finished),
+        "found_fraction_finished": round(float(np.mean(finished)), 4) if finished else None,
         "dead_hosts_named": stale,
     }
 
 
-def run(n_nodes: int, procs: int, layers: int, lookups: int, churn: float, ttl: float, in_flight: int = 2) -> dict:
+def run(n_nodes: int, procs: int, layers: int, lookups: int, churn: float, ttl: float, in_flight: int = 2, lookup_timeout: float = 20.0) -> dict:
     if n_nodes < 2 * procs:
         raise BenchmarkError("--nodes must be at least twice --procs")
     t0 = time.monotonic()
-    first = _Proc(1, layers, 0, ttl, [])  # the bootstrap: one node in a process of its own
+    first = _Proc(1, layers, 0, ttl, lookup_timeout, [])  # the bootstrap: one node in a process of its own
     started = [first]
     try:
         ready = [first.read(START_TIMEOUT)]
         entries = list(ready[0]["addrs"])  # where a new process joins: the bootstrap, then each process's first node
         shares = [len(r) for r in np.array_split(np.arange(n_nodes - 1), procs)]
         for i, k in enumerate(shares):  # one process at a time: 8 starting together time their own joins out on 2 cores
-            started.append(_Proc(k, layers, i + 1, ttl, entries))
+            started.append(_Proc(k, layers, i + 1, ttl, lookup_timeout, entries))
             try:
                 ready.append(started[-1].read(START_TIMEOUT))
             except BenchmarkError as exc:
@@ -197,13 +201,13 @@ def run(n_nodes: int, procs: int, layers: int, lookups: int, churn: float, ttl: 
             entries += ready[-1]["addrs"]
         live: dict[str, int] = {peer: layer for r in ready for peer, layer in r["peers"].items()}
         start_s = time.monotonic() - t0
-        before = _phase(started, lookups, in_flight, live, set())
+        before = _phase(started, lookups, in_flight, lookup_timeout, live, set())
         killed: set[str] = set()
         for p in started[1:]:
             p.send(do="kill", fraction=churn)
         for p in started[1:]:
             killed |= set(p.read(COMMAND_TIMEOUT)["killed"])
-        after = _phase(started, lookups, in_flight, {k: v for k, v in live.items() if k not in killed}, killed)
+        after = _phase(started, lookups, in_flight, lookup_timeout, {k: v for k, v in live.items() if k not in killed}, killed)
     finally:
         for p in started:
             p.close()
@@ -215,6 +219,7 @@ def run(n_nodes: int, procs: int, layers: int, lookups: int, churn: float, ttl: 
         "log2_nodes": round(math.log2(n_nodes), 2),
         "upkeep_s": ttl,
         "lookups_in_flight": in_flight,
+        "lookup_timeout_s": lookup_timeout,
         "start_s": round(start_s, 1),
         "live_nodes": len(live),
         "start_failures": sum(r["start_failures"] for r in ready),

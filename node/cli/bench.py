@@ -134,18 +134,19 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
 @click.option("--churn", default=0.2, show_default=True, type=click.FloatRange(0, 0.9), help="Fraction of nodes killed (no withdraw) between the phases.")
 @click.option("--upkeep", default=600.0, show_default=True, type=click.FloatRange(10), help="Seconds: records' TTL (re-announced after half) and between routing-table refreshes.")
 @click.option("--in-flight", default=2, show_default=True, type=click.IntRange(1), help="Lookups running at once (one per process; a lookup costs its ~80 peers' CPU too).")
+@click.option("--lookup-timeout", default=20.0, show_default=True, type=click.FloatRange(1), help="Seconds before a lookup returns what it has fetched (LibP2PDiscovery's default is 10).")
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
-def bench_dht(as_json: bool, n_nodes: int, procs: int, layers: int, lookups: int, churn: float, upkeep: float, in_flight: int, write_md: str | None) -> None:
+def bench_dht(as_json: bool, n_nodes: int, procs: int, layers: int, lookups: int, churn: float, upkeep: float, in_flight: int, lookup_timeout: float, write_md: str | None) -> None:
     """Lookup hops vs log2 N, latency percentiles and the fraction of live hosts found, before and after churn."""
     from node.bench import dht
 
-    result = dht.run(n_nodes, procs, layers, lookups, churn, ttl=upkeep, in_flight=in_flight)
+    result = dht.run(n_nodes, procs, layers, lookups, churn, ttl=upkeep, in_flight=in_flight, lookup_timeout=lookup_timeout)
     lines = [f"{n_nodes} nodes (log2 N = {result['log2_nodes']}), started in {result['start_s']} s, upkeep every {result['upkeep_s']:g} s, {in_flight} lookups in flight"]
     for phase in ("before_churn", "after_churn"):
         r = result[phase]
         lines.append(f"{phase}: hops median {r['hops']['median']} (p90 {r['hops']['p90']}), latency p50/p90/p99 {r['latency_ms']['p50']}/{r['latency_ms']['p90']}/{r['latency_ms']['p99']} ms, "
-                     f"found {r['found_fraction']['mean']:.1%} of live hosts (all of them in {r['found_fraction']['all_found']:.1%} of lookups), dead named {r['dead_hosts_named']}")  # fmt: skip
-    publish(result, f"moeswarm bench dht --json --nodes {n_nodes} --procs {procs} --churn {churn} --upkeep {upkeep:g} --in-flight {in_flight}", write_md=write_md, as_json=as_json, lines=lines)
+                     f"found {r['found_fraction']['mean']:.1%} of live hosts (all of them in {r['found_fraction']['all_found']:.1%} of lookups), dead named {r['dead_hosts_named']}, timed out {r['timed_out']}")  # fmt: skip
+    publish(result, f"moeswarm bench dht --json --nodes {n_nodes} --procs {procs} --churn {churn} --upkeep {upkeep:g} --in-flight {in_flight} --lookup-timeout {lookup_timeout:g}", write_md=write_md, as_json=as_json, lines=lines)
 
 
 @bench_group.command("soak")
