@@ -122,7 +122,7 @@ class Engine:
         self.stats.requests += 1
         self.stats.active += 1
         done = loop.run_in_executor(self._pool, self._run, job, stream, self._session_pins(job.session))
-        done.add_done_callback(self._finished)
+        done.add_done_callback(functools.partial(self._finished, stream))
         return stream
 
     def _session_pins(self, session: str | None) -> Pins | None:
@@ -134,7 +134,9 @@ class Engine:
             self._pins.popitem(last=False)
         return pins
 
-    def _finished(self, done: asyncio.Future) -> None:
+    def _finished(self, stream: Stream, done: asyncio.Future) -> None:
+        """On the loop: count the job, then end its stream, so a client that has read the last item sees it counted
+        (the thread's own ``put`` would reach the client before this callback runs)."""
         self._slots.release()
         self.stats.active -= 1
         result = None if done.cancelled() else done.result()  # cancelled: the pool shut down before it ran
@@ -144,17 +146,17 @@ class Engine:
             self.stats.cached_tokens += result.cached_tokens
         else:
             self.stats.failed += 1
+        if result is not None:
+            stream.put(result)
 
     def _run(self, job: Job, stream: Stream, pins: Pins | None) -> Finished | Exception:
-        """On the sequence's thread: decode, stream text out, keep the KV for later prompts."""
+        """On the sequence's thread: decode, stream text out, keep the KV for later prompts. The outcome ends the
+        stream in ``_finished``."""
         try:
-            result = self._decode(job, stream, pins)
+            return self._decode(job, stream, pins)
         except Exception as exc:  # the stream carries it to the client; the engine goes on
             log.warning("gateway.sequence_failed", error=repr(exc))
-            stream.put(exc)
             return exc
-        stream.put(result)
-        return result
 
     def _decode(self, job: Job, stream: Stream, pins: Pins | None) -> Finished:
         prompt = list(job.prompt)

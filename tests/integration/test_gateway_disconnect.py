@@ -11,12 +11,14 @@ import pytest
 
 from experts.embedded import EMBEDDED_MODEL
 from experts.forward import Backbone
+from experts.generate import Sampling
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import ExpertStore
 from experts.tokenizer import Tokenizer
 from node.backbone.batching import BatchingMoE
-from node.gateway.engine import Engine
+from node.gateway.engine import Engine, Finished
+from node.gateway.openai import Job
 from node.gateway.server import Gateway
 from tests.support import async_until, run_bounded
 
@@ -67,8 +69,7 @@ def test_a_client_that_hangs_up_stops_its_sequence(stream):
             writer.close()
             assert head.startswith(b"HTTP/1.1 200"), head
             assert json.loads(payload)["usage"]["completion_tokens"] == MAX_TOKENS
-            await async_until(lambda: engine.stats.active == 0)  # the engine books a sequence after its answer
-            assert engine.stats.completion_tokens == MAX_TOKENS
+            assert engine.stats.active == 0 and engine.stats.completion_tokens == MAX_TOKENS  # booked before its answer
 
             before = inner.calls
             reader, writer = await post(port, {**REQUEST, "stream": stream})
@@ -80,6 +81,27 @@ def test_a_client_that_hangs_up_stops_its_sequence(stream):
             assert engine.stats.requests == 2
         finally:
             await gateway.close()
+            await asyncio.to_thread(engine.close)
+
+    run_bounded(scenario(), timeout=120)
+
+
+def test_a_stream_read_to_its_end_is_already_counted():
+    """The engine counts a sequence before its stream's last item reaches the client: a caller that has read the
+    answer sees its tokens in ``stats`` at once (the statistics page, the mtp test's prefix-cache check)."""
+    model = GGUFModel(EMBEDDED_MODEL)
+    tok = Tokenizer.from_spec(model.tokenizer_spec)
+
+    async def scenario() -> None:
+        moe = BatchingMoE(CountingMoE(model), model.cfg.moe_layers, asyncio.get_running_loop())
+        engine = Engine(Backbone(model), tok, moe, max_batch=2, speculative=False)
+        try:
+            for round_ in range(1, 4):
+                stream = await engine.start(Job(tuple(tok.encode("And God said")), 6, Sampling()))
+                items = [item async for item in stream]
+                assert isinstance(items[-1], Finished), items[-1]
+                assert engine.stats.active == 0 and engine.stats.completion_tokens == 6 * round_, engine.stats
+        finally:
             await asyncio.to_thread(engine.close)
 
     run_bounded(scenario(), timeout=120)
