@@ -149,9 +149,9 @@ class _Proc:
             self.p.wait()
 
 
-def _phase(procs: list[_Proc], lookups: int, in_flight: int, timeout_s: float, live: dict[str, int], dead: set[str]) -> dict:
+def _phase(procs: list[_Proc], lookups: int, in_flight: int, lookup_timeout: float, live: dict[str, int], dead: set[str]) -> dict:
     """Each process runs its share of the lookups one after another; ``in_flight`` processes at a time (each lookup
-    costs its ~80 peers' Python too: 9 processes' lookups at once at 200 nodes ran the 2 cores at load 20 and nearly
+    costs its ~100 peers' Python too: 9 processes' lookups at once at 200 nodes ran the 2 cores at load 20 and nearly
     every lookup into its 20 s timeout)."""
     per = max(1, lookups // len(procs))
     rows = []
@@ -165,7 +165,7 @@ def _phase(procs: list[_Proc], lookups: int, in_flight: int, timeout_s: float, l
         want = {peer for peer, layer in live.items() if layer == r["layer"]}
         got = set(r["found"])
         found.append(len(got & want) / len(want) if want else 1.0)
-        if r["ms"] < timeout_s * 1e3:  # a lookup cut off at its timeout returns what it had fetched by then
+        if r["ms"] < lookup_timeout * 1e3:  # a lookup cut off at its timeout returns what it had fetched by then
             finished.append(found[-1])
         stale += len(got & dead)
     ms = [r["ms"] for r in rows]

@@ -133,7 +133,7 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
 @click.option("--lookups", default=200, show_default=True, type=click.IntRange(1), help="Lookups per phase, from random nodes.")
 @click.option("--churn", default=0.2, show_default=True, type=click.FloatRange(0, 0.9), help="Fraction of nodes killed (no withdraw) between the phases.")
 @click.option("--upkeep", default=600.0, show_default=True, type=click.FloatRange(10), help="Seconds: records' TTL (re-announced after half) and between routing-table refreshes.")
-@click.option("--in-flight", default=2, show_default=True, type=click.IntRange(1), help="Lookups running at once (one per process; a lookup costs its ~80 peers' CPU too).")
+@click.option("--in-flight", default=2, show_default=True, type=click.IntRange(1), help="Lookups running at once (one per process; a lookup costs its ~100 peers' CPU too).")
 @click.option("--lookup-timeout", default=20.0, show_default=True, type=click.FloatRange(1), help="Seconds before a lookup returns what it has fetched (LibP2PDiscovery's default is 10).")
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
 def bench_dht(as_json: bool, n_nodes: int, procs: int, layers: int, lookups: int, churn: float, upkeep: float, in_flight: int, lookup_timeout: float, write_md: str | None) -> None:
