@@ -562,9 +562,10 @@ class _Node:
             log.warning("dht.lookup_timeout", what=what, seconds=self.lookup_timeout)
         return records
 
-    async def _walk(self, key: bytes, ask: Callable[[Any], Awaitable[list[Any]]]) -> None:
+    async def _walk(self, key: bytes, ask: Callable[[Any], Awaitable[list[Any]]]) -> tuple[int, int]:
         """Iterative Kademlia walk towards key: ask(peer) records what the peer holds and returns closer
-        peers; the walk ends when the WALK_WIDTH closest peers known have all been asked.
+        peers; the walk ends when the WALK_WIDTH closest peers known have all been asked. Returns its rounds
+        and the peers it asked.
 
         One RPC per peer does both jobs: half the traffic of a FIND_NODE walk followed by GETs.
         """
@@ -584,7 +585,7 @@ class _Node:
             async with trio.open_nursery() as nursery:
                 for peer in batch:
                     nursery.start_soon(ask_one, peer)
-        self.walks.append(Walk(rounds, len(asked) - 1))
+        return rounds, len(asked) - 1
 
     async def take_walks(self) -> list[Walk]:
         out = list(self.walks)
@@ -592,14 +593,16 @@ class _Node:
         return out
 
     async def _find_providers(self, key: bytes, out: set[Any]) -> None:
-        out.update(info.peer_id for info in self.dht.provider_store.get_providers(key))
+        mine = {info.peer_id for info in self.dht.provider_store.get_providers(key)}
 
         async def ask(peer: Any) -> list[Any]:
             found, closer = await self.dht.provider_store._get_providers_from_peer_with_closers(peer, key)
-            out.update(info.peer_id for info in found)
+            mine.update(info.peer_id for info in found)
             return closer
 
-        await self._walk(key, ask)
+        rounds, asked = await self._walk(key, ask)
+        out.update(mine)
+        self.walks.append(Walk("providers", rounds, asked, frozenset(p.to_base58() for p in mine)))
 
     async def _fetch_record(self, peer: Any, value_key_of: Callable[[PeerId], str], out: list[Any]) -> None:
         """Peer's record under ``value_key_of(peer)``: from the peer itself if it answers, else from the replicas.
@@ -630,8 +633,9 @@ class _Node:
         if not self._accept(key, values, out):
             if (local := self.dht.value_store.get(key_bytes)) is not None:
                 values.add(local.value)
-            await self._walk(key_bytes, ask)
-            self._accept(key, values, out)
+            rounds, asked = await self._walk(key_bytes, ask)
+            found = self._accept(key, values, out)
+            self.walks.append(Walk("record", rounds, asked, frozenset({peer.to_base58()} if found else ())))
 
     def _accept(self, key: str, values: set[bytes], out: list[Any]) -> bool:
         """Append the valid records among values to out; whether there was one."""
@@ -649,10 +653,15 @@ class _Node:
 
 @dataclass(frozen=True)
 class Walk:
-    """One iterative lookup: its rounds of ALPHA parallel queries (Kademlia's hops) and the peers it asked."""
+    """One iterative walk of a lookup: its rounds of ALPHA parallel queries (Kademlia's hops), the peers it asked
+    and the peers whose entries it found. Kept apart by kind so that `moeswarm bench dht` can tell a host missed by
+    the provider walks from one whose record could not be fetched.
+    """
 
+    kind: str  # "providers": the providers of one shard's key; "record": a host's record from its replicas
     rounds: int
     asked: int
+    found: frozenset[str]  # providers' peer ids; for a record walk, the owner's if a valid record turned up
 
 
 def _ms_since(started: float) -> float:

@@ -22,5 +22,8 @@ def test_bench_dht_finds_every_announcer_and_reports_hops_latency_and_churn():
     assert r["live_nodes"] == 7 and r["start_failures"] == 0  # a quiet loopback swarm: every node joined at once
     assert before["lookups"] == 6 and before["found_fraction"]["all_found"] == 1.0 and before["dead_hosts_named"] == 0, before
     assert before["timed_out"] == 0 and before["found_fraction_finished"] == 1.0
+    assert before["providers_named_fraction"]["min"] == 1.0  # every announcer named by the provider walks...
+    assert before["record_walks"] == {"walks": 0, "found": 0}  # ...and every record fetched from its live owner
+    assert after["record_walks"]["walks"] >= 1  # the killed announcers' records: asked of their replicas
     assert before["hops"]["median"] >= 1 and before["latency_ms"]["p50"] > 0
     assert after["lookups"] == 6 and 0 <= after["found_fraction"]["mean"] <= 1
