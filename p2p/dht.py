@@ -564,22 +564,30 @@ class _Node:
 
     async def _walk(self, key: bytes, ask: Callable[[Any], Awaitable[list[Any]]]) -> tuple[int, int]:
         """Iterative Kademlia walk towards key: ask(peer) records what the peer holds and returns closer
-        peers; the walk ends when the WALK_WIDTH closest peers known have all been asked. Returns its rounds
-        and the peers it asked.
+        peers; the walk ends when the WALK_WIDTH closest peers that answer have all been asked. Returns its
+        rounds and the peers it asked.
 
-        One RPC per peer does both jobs: half the traffic of a FIND_NODE walk followed by GETs.
+        One RPC per peer does both jobs: half the traffic of a FIND_NODE walk followed by GETs. A peer that
+        times out or names no closer peer (libp2p returns the same empty list for an error) leaves the window,
+        as in go-libp2p-kad-dht's query: counting a departed peer as one of the closest ended walks after
+        churn short of the live peers that hold the entries.
         """
         lib = libp2p_api()
         known = set(self.dht.routing_table.find_local_closest_peers(key, WALK_WIDTH))
         asked: set[Any] = {self.host.get_id()}
+        silent: set[Any] = set()
 
         async def ask_one(peer: Any) -> None:
+            closer: list[Any] = []
             async with self.rpcs:
                 with trio.move_on_after(QUERY_TIMEOUT):
-                    known.update(p for p in await ask(peer) if lib.speaks_kad(self.host, p) is not False)
+                    closer = await ask(peer)
+            if not closer:
+                silent.add(peer)
+            known.update(p for p in closer if lib.speaks_kad(self.host, p) is not False)
 
         rounds = 0
-        while batch := [p for p in lib.sort_by_distance(key, list(known))[:WALK_WIDTH] if p not in asked][:ALPHA]:
+        while batch := [p for p in lib.sort_by_distance(key, list(known - silent))[:WALK_WIDTH] if p not in asked][:ALPHA]:
             asked.update(batch)
             rounds += 1
             async with trio.open_nursery() as nursery:
