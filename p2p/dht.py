@@ -54,7 +54,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 import trio
@@ -666,7 +666,7 @@ class Walk:
     the provider walks from one whose record could not be fetched.
     """
 
-    kind: str  # "providers": the providers of one shard's key; "record": a host's record from its replicas
+    kind: Literal["providers", "record"]  # the providers of one shard's key; a host's record from its replicas
     rounds: int
     asked: int
     found: frozenset[str]  # providers' peer ids; for a record walk, the owner's if a valid record turned up

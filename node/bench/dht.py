@@ -86,11 +86,11 @@ async def _child(n_nodes: int, layers: int, bootstrap: list[str], seed: int, ttl
                 records = await d.lookup(MODEL, layer)
                 ms = (time.perf_counter() - t0) * 1e3
                 walks = await d.take_walks()
-                records_walks = [w for w in walks if w.kind == "record"]
+                record_walks = [w for w in walks if w.kind == "record"]
                 out.append({"layer": layer, "ms": ms, "hops": max((w.rounds for w in walks), default=0), "asked": sum(w.asked for w in walks),
                             "found": sorted({str(r.peer_id) for r in records}),
                             "providers": sorted({p for w in walks if w.kind == "providers" for p in w.found}),
-                            "record_walks": len(records_walks), "record_walks_found": sum(bool(w.found) for w in records_walks)})  # fmt: skip
+                            "record_walks": len(record_walks), "record_walks_found": sum(bool(w.found) for w in record_walks)})  # fmt: skip
             print(json.dumps({"lookups": out}), flush=True)
         elif cmd["do"] == "kill":
             gone = rng.sample(nodes, round(len(nodes) * cmd["fraction"]))
