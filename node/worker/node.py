@@ -225,7 +225,7 @@ class WorkerNode:
         return min(counts)
 
     async def _reprice(self) -> None:
-        """Re-announce when the scarcity price changes (README: pricing)."""
+        """Re-announce when the scarcity price changes (docs/swarm.md: pricing)."""
         while True:
             await asyncio.sleep(self.opts.reprice_s)
             price = scarcity_price(self.opts.price, await self.replicas())
