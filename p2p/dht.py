@@ -65,6 +65,7 @@ from p2p.dht_libp2p import libp2p_api
 from p2p.discovery import Announcer, DiscoveryError, Publication, live_hosts
 from p2p.identity import Identity, IdentityError, PeerId
 from p2p.ports import check_free
+from p2p.provisions import Provisions, View
 from p2p.records import (
     MAX_CLOCK_SKEW,
     NAMESPACE,
@@ -86,7 +87,6 @@ DEFAULT_TTL = 600.0  # seconds a record lives; re-signed and re-put after half o
 PROVIDER_EPOCH = 3600  # seconds per provider-key epoch
 PROVIDER_SHARDS = 4  # provider keys per (model, layer, epoch)
 PROVIDE_BUDGET, PROVIDE_WINDOW = 8, 10.5  # ADD_PROVIDER rounds per window (servers take 10 per 10 s)
-REPROVIDE_AFTER = 1800.0  # provider entries live 48 h; re-send one only this often
 QUERY_TIMEOUT = 5.0  # per RPC
 CONNECT_TIMEOUT = 5.0
 MAINTENANCE_INTERVAL = 60.0  # re-bootstrap check when no refresh is due sooner
@@ -309,7 +309,7 @@ class _Node:
         self.helper: Publication[HelperRecord] | None = None  # our helper record (or its tombstone), refreshed like the others
         self.multiaddrs: list[str] = []
         self.pacer = ProvidePacer()
-        self.provided: dict[bytes, tuple[int, float]] = {}  # provider key -> (epoch, when sent)
+        self.provisions = Provisions()  # the provider entries we sent, and when each is due again
         self.republish_all = False  # set when a publication round failed
         self.host: Any = None
         self.dht: Any = None
@@ -413,6 +413,7 @@ class _Node:
                         self.republish_all = False
                         if pubs:
                             log.debug("dht.refreshed", records=len(pubs))
+                    await self._reprovide({p.record.key for p in pubs})
             except Exception as exc:  # this loop must outlive any one failure; logged, then retried
                 log.warning("dht.maintenance_failed", error=repr(exc))
                 self.republish_all = True
@@ -496,29 +497,41 @@ class _Node:
             self.republish_all = True
             log.warning("dht.publish_failed", failed=len(errors), records=len(pubs), first=repr(errors[0]))
             return False
-        now = self.clock()
-        for record in (p.record for p in pubs if p.record.is_live(now)):
-            for key, epoch in self._provider_keys_due(record, now):
-                await self._provide(key, epoch)
+        await self._provide_due([p.record for p in pubs])
         return True
 
-    def _provider_keys_due(self, record: HostRecord | HelperRecord, now: float) -> list[tuple[bytes, int]]:
-        current = int(now // PROVIDER_EPOCH)
-        self.provided = {k: v for k, v in self.provided.items() if v[0] >= current - 1}
-        due = []
-        for epoch in provider_epochs(now - MAX_CLOCK_SKEW, record.expires_at + MAX_CLOCK_SKEW):
-            key = _provider_key_of(record, epoch)
-            sent = self.provided.get(key)
-            if sent is None or now - sent[1] >= REPROVIDE_AFTER:
-                due.append((key, epoch))
-        return due
+    async def _reprovide(self, just_published: set[str]) -> None:
+        """Provider entries of our live records whose neighbourhood moved (`p2p.provisions`), between refreshes."""
+        held: list[HostRecord | HelperRecord] = [r for r in self.announcer.live(self.clock()) if r.key not in just_published]
+        if self.helper is not None and self.helper.record.key not in just_published:
+            held.append(self.helper.record)
+        await self._provide_due(held)
 
-    async def _provide(self, key: bytes, epoch: int) -> None:
+    async def _provide_due(self, records: Sequence[HostRecord | HelperRecord]) -> None:
+        """Send the provider entries of the live records that are due (new, old, or sent to a neighbourhood that moved)."""
+        now = self.clock()
+        self.provisions.forget_before(int(now // PROVIDER_EPOCH) - 1)
+        for record in (r for r in records if r.is_live(now)):
+            for epoch in provider_epochs(now - MAX_CLOCK_SKEW, record.expires_at + MAX_CLOCK_SKEW):
+                key = _provider_key_of(record, epoch)
+                if reason := self.provisions.due(key, now, self._view(key)):
+                    await self._provide(key, epoch, reason)
+
+    def _view(self, key: bytes) -> View:
+        """The routing table's closest peers to key and its size (local, no traffic)."""
+        table = self.dht.routing_table
+        closest = table.find_local_closest_peers(key, WALK_WIDTH)
+        return View(frozenset(peer.to_bytes() for peer in closest), table.size())
+
+    async def _provide(self, key: bytes, epoch: int, reason: str) -> None:
         while (wait := self.pacer.wait_time(trio.current_time())) > 0:
             await trio.sleep(wait)
         self.pacer.note(trio.current_time())
+        view = self._view(key)  # before the walk: what the next check compares against
         if await self.dht.provider_store.provide(key):  # False: no peer took it; retried next refresh
-            self.provided[key] = (epoch, self.clock())
+            self.provisions.sent(key, epoch, self.clock(), view)
+            if reason != "new":
+                log.debug("dht.reprovided", key=key.hex()[4:16], reason=reason, table=view.table_size)
         self.dht.provider_store.providing_keys.discard(key)  # only libp2p's republish (off) reads it
 
     async def lookup(self, model_digest: str, layer: int) -> list[HostRecord]:

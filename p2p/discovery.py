@@ -153,6 +153,10 @@ class Announcer:
             if everything or now >= self._current[key].issued_at + self._refresh_after
         ]
 
+    def live(self, now: float) -> list[HostRecord]:
+        """The records currently published for announced slices that have not expired."""
+        return [r for k in self._wanted if (r := self._current.get(k)) is not None and r.is_live(now)]
+
     def withdraw(self, now: float) -> list[Publication]:
         """Tombstones for every announced slice; nothing is announced afterwards."""
         keys, self._wanted = list(self._wanted), {}
