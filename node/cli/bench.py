@@ -135,10 +135,27 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
 @click.option("--upkeep", default=600.0, show_default=True, type=click.FloatRange(10), help="Seconds: records' TTL (re-announced after half) and between routing-table refreshes.")
 @click.option("--in-flight", default=2, show_default=True, type=click.IntRange(1), help="Lookups running at once (one per process; a lookup costs its ~100 peers' CPU too).")
 @click.option("--lookup-timeout", default=20.0, show_default=True, type=click.FloatRange(1), help="Seconds before a lookup returns what it has fetched (LibP2PDiscovery's default is 10).")
+@click.option("--simulate", is_flag=True, help="Our DHT code over a simulated network on a virtual clock (node/bench/dhtsim.py): thousands of nodes; --procs, --churn, --in-flight and --lookup-timeout do not apply.")
+@click.option("--churn-per-hour", default=0.2, show_default=True, type=click.FloatRange(0, 5), help="--simulate: departures per node per hour, each replaced by a newcomer.")
+@click.option("--nat", default=0.3, show_default=True, type=click.FloatRange(0, 0.95), help="--simulate: share of nodes in client mode (NAT-bound).")
+@click.option("--rtt-ms", default=80.0, show_default=True, type=click.FloatRange(0.1), help="--simulate: median round trip.")
+@click.option("--seed", default=0, show_default=True, help="--simulate: random seed.")
 @click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
-def bench_dht(as_json: bool, n_nodes: int, procs: int, layers: int, lookups: int, churn: float, upkeep: float, in_flight: int, lookup_timeout: float, write_md: str | None) -> None:
+def bench_dht(as_json: bool, n_nodes: int, procs: int, layers: int, lookups: int, churn: float, upkeep: float, in_flight: int, lookup_timeout: float, simulate: bool, churn_per_hour: float, nat: float, rtt_ms: float, seed: int, write_md: str | None) -> None:
     """Lookup hops vs log2 N, latency percentiles and the fraction of live hosts found, before and after churn."""
     from node.bench import dht
+
+    if simulate:
+        from node.bench import dhtsim
+
+        opts = dhtsim.Options(nodes=n_nodes, layers=layers, lookups=lookups, ttl=upkeep, churn_per_hour=churn_per_hour, nat=nat, rtt_ms=rtt_ms, seed=seed)
+        result = dhtsim.run(opts)
+        lines = [f"{n_nodes} simulated nodes (log2 N = {result['log2_nodes']}), {result['hosts']} hosts, upkeep {result['messages_per_node_hour']} messages per node per hour"]
+        for phase in ("before_churn", "under_churn"):
+            r = result[phase]
+            lines.append(f"{phase}: rounds median {r['rounds']['median']} (p90 {r['rounds']['p90']}), found {r['found_fraction']['mean']:.1%} of live hosts (all in {r['found_fraction']['all_found']:.1%} of lookups), {r['messages_per_lookup']} messages per lookup")
+        publish(result, f"moeswarm bench dht --simulate --json --nodes {n_nodes} --layers {layers} --lookups {lookups} --churn-per-hour {churn_per_hour:g} --nat {nat:g} --rtt-ms {rtt_ms:g} --seed {seed}", write_md=write_md, as_json=as_json, lines=lines)
+        return
 
     result = dht.run(n_nodes, procs, layers, lookups, churn, ttl=upkeep, in_flight=in_flight, lookup_timeout=lookup_timeout)
     lines = [f"{n_nodes} nodes (log2 N = {result['log2_nodes']}), started in {result['start_s']} s, upkeep every {result['upkeep_s']:g} s, {in_flight} lookups in flight"]
