@@ -51,7 +51,7 @@ def local_moe(compute: MoeCompute) -> MoeFfn:
     return hook
 
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+def rms_norm(x: np.ndarray, w: np.ndarray | np.float32, eps: float) -> np.ndarray:
     ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
     return (x / np.sqrt(ms + eps).astype(np.float32)) * w
 
@@ -356,11 +356,13 @@ class Backbone:
             q, k, v = q + L.bq, k + L.bk, v + L.bv
         whole = attn.qk_norm is QKNorm.WHOLE  # norm the flat projection, before the split into heads
         if whole:
+            assert L.q_norm is not None and L.k_norm is not None, f"layer {i} has no q/k norms"  # required tensors
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
         q = q.reshape(n, n_head, hd)
         k = k.reshape(n, n_kv, hd)
         v = v.reshape(n, n_kv, hd)
         if L.q_norm is not None and not whole:
+            assert L.k_norm is not None, f"layer {i} has a q norm but no k norm"
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
         if cfg.uses_rope(i):
             base, n_rot = cfg.rope_base(i), cfg.rope_dim_at(i)
@@ -404,7 +406,7 @@ class Backbone:
         time over exactly its causal positions (batch invariant, as :meth:`attention`)."""
         cfg, eps = self.cfg, self.cfg.rms_eps
         n, heads, lat, nope = h.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
-        q = A.wq(h if A.wq_a is None else rms_norm(A.wq_a(h), A.q_a_norm, eps)).reshape(n, heads, cfg.head_dim)
+        q = A.wq(h if A.wq_a is None or A.q_a_norm is None else rms_norm(A.wq_a(h), A.q_a_norm, eps)).reshape(n, heads, cfg.head_dim)
         kv = A.wkv_a(h)
         style, base = self.arch.attention.rope, cfg.rope_base(i)
         k_pe = rope(np.ascontiguousarray(kv[:, None, lat:]), pos, base, style, yarn=self.yarn)[:, 0]

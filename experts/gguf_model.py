@@ -42,7 +42,7 @@ class ExpertRange:
             raise ValueError(f"empty or negative expert range {self.start}..{self.stop}")
 
     def __contains__(self, e: object) -> bool:
-        return isinstance(e, (int, np.integer)) and self.start <= e < self.stop
+        return isinstance(e, (int, np.integer)) and bool(self.start <= e < self.stop)
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -343,10 +343,10 @@ def _manifest_entries(model: GGUFModel) -> dict[str, tuple[str, list[str]]]:
         data = model.raw(name)
         leaves: list[str] = []
         if _is_expert_tensor(name):
-            leaves = [hashlib.sha256(row).hexdigest() for row in data.reshape(data.shape[0], -1)]
+            leaves = [hashlib.sha256(row.data).hexdigest() for row in data.reshape(data.shape[0], -1)]
             h = hashlib.sha256("".join(leaves).encode()).hexdigest()
         else:
-            h = hashlib.sha256(data).hexdigest()
+            h = hashlib.sha256(data.data).hexdigest()
         shape = "x".join(str(x) for x in model.shape(name))
         entries.append((name, f"{name}|{t.tensor_type.name}|{shape}|{h}", leaves))
     try:
