@@ -26,6 +26,8 @@ RANDOM_ATTN_INTERVAL = 2  # random models: full attention every 2nd layer, so 3 
 
 @dataclass(frozen=True)
 class GatedDeltaNet(Attention):
+    """Recurrent layers (``cfg.layer_kinds``) of gated delta-net, full layers of gated attention."""
+
     qk_norm: QKNorm = QKNorm.PER_HEAD  # full-attention layers only
     tiled_v: bool = False  # V heads stored tiled (v head j reads k head j % n_k), not grouped (j // (n_v / n_k))
     split_ba: bool = False  # ssm_beta + ssm_alpha (n_v, n_embd) each, not one ssm_ba of per-k-head [beta, alpha] rows
