@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .arch import Activation, ArchSpec, Gating, arch_spec
+from .arch import Activation, Gating
 from .moe import OAI_LIMIT, Glu, Router
+
+if TYPE_CHECKING:
+    from .archs import Arch
 
 # Fields added after the first digests were published: left out of the config line (and so of the
 # model digest) while at their default, so every older model keeps its digest.
@@ -44,7 +48,7 @@ class ModelConfig:
     rope_theta_swa: float = field(default=0.0, metadata=_LATER)  # rope.freq_base_swa of SWA layers; 0: rope_theta
     yarn_factor: float = field(default=0.0, metadata=_LATER)  # rope.scaling.factor when rope.scaling.type is yarn; 0: no YaRN
     yarn_orig_ctx: int = field(default=0, metadata=_LATER)  # rope.scaling.original_context_length (YaRN's n_ctx_orig)
-    # Multi-head latent attention (ArchSpec.mla): head_dim is then the query/key head (qk_nope + qk_rope, the rope part
+    # Multi-head latent attention (experts.archs.mla): head_dim is then the query/key head (qk_nope + qk_rope, the rope part
     # being the n_rot trailing dims), v_head_dim the value head; K and V of every head come from one latent of kv_lora_rank.
     q_lora_rank: int = field(default=0, metadata=_LATER)  # 0: the query is one projection (attn_q, "lite")
     kv_lora_rank: int = field(default=0, metadata=_LATER)
@@ -52,7 +56,7 @@ class ModelConfig:
     mla_kv_b: bool = field(default=False, metadata=_LATER)  # the legacy layout: one attn_kv_b, not attn_k_b/attn_v_b
     yarn_log_mul: float = field(default=0.0, metadata=_LATER)  # rope.scaling.yarn_log_multiplier / 0.1 (mscale_all_dim)
     moe_step: int = field(default=0, metadata=_LATER)  # interleave_moe_layer_step: layer i has experts iff (i + 1) % step == 0; 0: every layer
-    # Gated delta-net (ArchSpec.delta_net): the ssm.* keys, and one letter per layer, "r" recurrent (linear attention)
+    # Gated delta-net (experts.archs.gdn): the ssm.* keys, and one letter per layer, "r" recurrent (linear attention)
     # or "a" full attention (attention.recurrent_layers, or full_attention_interval: recurrent iff (i + 1) % interval).
     ssm_conv: int = field(default=0, metadata=_LATER)  # ssm.conv_kernel: causal conv width (the state keeps conv - 1 inputs)
     ssm_state: int = field(default=0, metadata=_LATER)  # ssm.state_size: the key (and value) head width S
@@ -73,7 +77,10 @@ class ModelConfig:
             object.__setattr__(self, f, tuple(getattr(self, f)))
 
     @property
-    def spec(self) -> ArchSpec:
+    def spec(self) -> Arch:
+        """The arch's family description (:mod:`experts.archs`, which builds configs: imported here, not at the top)."""
+        from .archs import arch_spec
+
         return arch_spec(self.arch)
 
     @property
@@ -96,8 +103,8 @@ class ModelConfig:
         return self.n_head_kv_layers[layer] if self.n_head_kv_layers else self.n_head_kv
 
     def rope_dim_at(self, layer: int) -> int:
-        """Rotated dims of a head on *layer*: step35's full-attention layers rotate half (llama.cpp's n_rot_full /= 2)."""
-        return self.rope_dim // 2 if self.spec.half_rot_full and not self.is_swa(layer) else self.rope_dim
+        """Rotated dims of a head on *layer* (step35's full-attention layers rotate half: llama.cpp's n_rot_full /= 2)."""
+        return self.spec.rope_dim_at(self, layer)
 
     @property
     def rope_freqs_len(self) -> int:
@@ -106,7 +113,7 @@ class ModelConfig:
 
     def glu_exp(self, layer: int) -> Glu:
         """The routed experts' activation on *layer*: gpt-oss's SwiGLU-OAI (clamped at 7), or SwiGLU with the layer's clamp."""
-        if self.spec.expert_act is Activation.SWIGLU_OAI:
+        if self.spec.experts.act is Activation.SWIGLU_OAI:
             return Glu(Activation.SWIGLU_OAI, OAI_LIMIT)
         return Glu(Activation.SILU, self.clamp_exp[layer] if self.clamp_exp else 0.0)
 
@@ -166,17 +173,12 @@ class ModelConfig:
 
     def uses_rope(self, layer: int) -> bool:
         """False on the arch's NoPE layers (llama4: every 4th), which rotate nothing and scale q by temperature instead."""
-        p = self.spec.nope_period
-        return p == 0 or (layer + 1) % p != 0
+        return self.spec.uses_rope(layer)
 
     def first_key(self, layer: int, pos: int) -> int:
         """The first position query *pos* attends to on *layer* (llama.cpp's ``is_masked_swa``): 0 on a full layer;
         on an SWA layer the last ``n_swa`` positions, or with chunked attention the start of the query's chunk."""
-        if not self.is_swa(layer):
-            return 0
-        if self.spec.chunked_attn:
-            return pos // self.n_swa * self.n_swa
-        return max(0, pos + 1 - self.n_swa)
+        return self.spec.window.first_key(self, pos) if self.is_swa(layer) else 0
 
     def is_swa(self, layer: int) -> bool:
         """Whether *layer* attends only to the last ``n_swa`` positions (llama.cpp's ``hparams.is_swa``)."""
@@ -196,12 +198,12 @@ class ModelConfig:
     @property
     def router(self) -> Router:
         """The router llama.cpp builds for this model: the arch's fixed choices, or the file's where it reads them."""
-        spec = self.spec
+        spec = self.spec.router
         gating = Gating[self.gating.upper()] if self.gating else spec.gating
         assert gating is not None, "read_config requires expert_gating_func for this arch"
         return Router(
             gating=gating,
-            norm=spec.norm_topk if self.norm_topk is None else self.norm_topk,
+            norm=spec.norm if self.norm_topk is None else self.norm_topk,
             scale=self.expert_weights_scale,
             n_groups=self.n_expert_groups,
             n_group_used=self.n_group_used,

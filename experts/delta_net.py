@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .archs.gdn import GatedDeltaNet
 from .config import ModelConfig
 from .dense_weights import DenseWeights, Linear, PackedWeights
 from .gguf_model import GGUFModel
@@ -75,7 +76,7 @@ class DeltaNet:
 
     @classmethod
     def load(cls, model: GGUFModel, lin: DenseWeights | PackedWeights, b: str) -> DeltaNet:
-        d, legacy, split = model.dense, model.has(b + "ssm_in.weight"), model.cfg.spec.gdn_split_ba
+        d, legacy, split = model.dense, model.has(b + "ssm_in.weight"), _spec(model.cfg).split_ba
         return cls(
             qkv=None if legacy else lin.linear(b + "attn_qkv.weight"),
             z=None if legacy else lin.linear(b + "attn_gate.weight"),
@@ -122,7 +123,14 @@ class DeltaNet:
 def key_heads(cfg: ModelConfig) -> np.ndarray:
     """The k head each v head reads: grouped (qwen3next) or tiled (qwen35moe)."""
     j = np.arange(cfg.ssm_v_heads)
-    return j % cfg.ssm_k_heads if cfg.spec.gdn_tiled_v else j // (cfg.ssm_v_heads // cfg.ssm_k_heads)
+    return j % cfg.ssm_k_heads if _spec(cfg).tiled_v else j // (cfg.ssm_v_heads // cfg.ssm_k_heads)
+
+
+def _spec(cfg: ModelConfig) -> GatedDeltaNet:
+    """The hybrid's layout facts (tiled V heads, split beta/alpha) from the model's arch."""
+    attention = cfg.spec.attention
+    assert isinstance(attention, GatedDeltaNet), f"{cfg.arch} has no gated delta-net layers"
+    return attention
 
 
 def scan(cfg: ModelConfig, conv: np.ndarray, rows: np.ndarray, start: int, stop: int, state: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:

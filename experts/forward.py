@@ -4,8 +4,8 @@ Every matmul is batch invariant (see :mod:`experts.moe`): a token's logits are t
 bits whether it is decoded alone, verified in a speculative draft or batched with other
 sequences, which is what makes those optimisations exactly output-preserving.
 
-Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / llama4 / deepseek2 / qwen3next / qwen35moe / step35 (and the extras in experts/arch.py; the gated delta-net layers in experts/delta_net.py): the per-arch
-differences come from :class:`experts.arch.ArchSpec`. The routed-expert sum is the one
+Mirrors llama.cpp's graphs for qwen2moe / qwen3moe / llama(+experts) / olmoe / glm4moe / minimax-m2 / gpt-oss / llama4 / deepseek2 / qwen3next / qwen35moe / step35 (and the extras in experts/archs/; the gated delta-net layers in experts/delta_net.py): the per-arch
+differences come from the model's :class:`experts.archs.Arch` (its mechanism parts, and its family's quirk methods). The routed-expert sum is the one
 thing computed elsewhere: ``moe_ffn(layer, hidden, expert_ids, weights) -> Future[routed_sum]``
 (llama.cpp's ``build_moe_ffn`` seam). Locally it is :func:`experts.moe.grouped_moe` through
 :func:`local_moe`; in the swarm it is a dispatch to the workers that host the chosen experts. The router,
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .arch import QKNorm, RopeStyle, SharedExpert
+from .arch import QKNorm, RopeStyle
 from .delta_net import DeltaNet, advance
 from .dense_weights import FFN, DenseLinear, DenseWeights, Linear, PackedWeights, mm, weights_for
 from .errors import ModelFormatError
@@ -51,7 +51,7 @@ def local_moe(compute: MoeCompute) -> MoeFfn:
     return hook
 
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+def rms_norm(x: np.ndarray, w: np.ndarray | np.float32, eps: float) -> np.ndarray:
     ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
     return (x / np.sqrt(ms + eps).astype(np.float32)) * w
 
@@ -268,7 +268,7 @@ class Backbone:
         self.model = model
         self.kernel = kernel
         self.cfg = cfg = model.cfg
-        self.spec = cfg.spec
+        self.arch = cfg.spec
         d = model.dense
         lin = weights_for(model, kernel)
         opt = lambda name: d(name) if model.has(name) else None  # noqa: E731
@@ -278,9 +278,9 @@ class Backbone:
         self._weights = lin
         self.layers = [self._load_layer(i) for i in range(cfg.n_layer)]
         self.router_params = cfg.router
-        self.rope_freqs = opt("rope_freqs.weight") if self.spec.rope_freqs else None
+        self.rope_freqs = opt("rope_freqs.weight") if self.arch.attention.rope_freqs else None
         # llama4's weightless q/k norm after RoPE, which llama.cpp leaves out for 128-expert models (Maverick)
-        self.qk_norm_after_rope = self.spec.qk_norm is QKNorm.WEIGHTLESS_AFTER_ROPE and cfg.n_expert != self.spec.kq_norm_off_at
+        self.qk_norm_after_rope = self.arch.qk_norm_after_rope(cfg)
         self.yarn = Yarn(cfg.yarn_factor, cfg.yarn_orig_ctx, cfg.yarn_log_mul) if cfg.yarn_factor else None
 
     def _load_layer(self, i: int) -> Layer:
@@ -290,10 +290,10 @@ class Backbone:
         b = f"blk.{i}."
         moe = cfg.is_moe(i)
         shexp = None
-        if moe and cfg.n_ff_shexp and self.spec.shared_expert is not SharedExpert.NONE:
-            gate = d(b + "ffn_gate_inp_shexp.weight") if self.spec.shared_expert is SharedExpert.SIGMOID_GATED else None
+        if moe and cfg.n_ff_shexp:
+            gate = d(b + "ffn_gate_inp_shexp.weight") if self.arch.shared.gated else None
             shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight", cfg.glu_shexp(i)))
-        mla = MLA.load(model, lin, b) if self.spec.mla else None
+        mla = MLA.load(model, lin, b) if self.arch.attention.latent else None
         gdn = DeltaNet.load(model, lin, b) if cfg.is_recurrent(i) else None
         q, k, v = self._qkv(lin, b) if mla is None and gdn is None else (None, None, None)
         return Layer(
@@ -309,7 +309,7 @@ class Backbone:
             sinks=opt(b + "attn_sinks.weight"),
             q_norm=opt(b + "attn_q_norm.weight"),
             k_norm=opt(b + "attn_k_norm.weight"),
-            ffn_norm=d(b + self.spec.ffn_norm + ".weight"),
+            ffn_norm=d(b + self.arch.ffn_norm + ".weight"),
             router=lin.linear(b + "ffn_gate_inp.weight") if moe else None,
             router_bias=opt(b + "ffn_gate_inp.bias") if moe else None,
             selection_bias=opt(b + "exp_probs_b.bias") if moe else None,
@@ -334,7 +334,7 @@ class Backbone:
     def _qkv(self, lin: DenseWeights | PackedWeights, b: str) -> tuple[Linear, Linear, Linear]:
         """The Q, K and V projections of layer *b*: three tensors, or three row ranges of a fused attn_qkv
         (llama.cpp's build_qkv views the fused product the same way: Q rows, then K, then V)."""
-        if not self.spec.fused_qkv:
+        if not self.arch.attention.fused_qkv:
             return lin.linear(b + "attn_q.weight"), lin.linear(b + "attn_k.weight"), lin.linear(b + "attn_v.weight")
         q, kv, name = self.cfg.q_dim, self.cfg.kv_dim, b + "attn_qkv.weight"
         return lin.linear(name, slice(0, q)), lin.linear(name, slice(q, q + kv)), lin.linear(name, slice(q + kv, q + 2 * kv))
@@ -348,31 +348,33 @@ class Backbone:
         assert L.wq is not None and L.wk is not None and L.wv is not None and L.wo is not None, f"layer {i} has no attention projections"
         n, hd, n_head, n_kv = h.shape[0], cfg.head_dim, cfg.heads(i), cfg.kv_heads(i)
         q, k, v = L.wq(h), L.wk(h), L.wv(h)
-        gate = None
-        if self.spec.delta_net:  # qwen3next's fused Q+gate: per head [q, gate]
+        attn, gate = self.arch.attention, None
+        if attn.gated_q:  # qwen3next's fused Q+gate: per head [q, gate]
             qg = q.reshape(n, cfg.n_head, 2, hd)
             q, gate = np.ascontiguousarray(qg[:, :, 0]).reshape(n, cfg.q_dim), np.ascontiguousarray(qg[:, :, 1]).reshape(n, cfg.q_dim)
         if L.bq is not None:
             q, k, v = q + L.bq, k + L.bk, v + L.bv
-        whole = self.spec.qk_norm is QKNorm.WHOLE  # norm the flat projection, before the split into heads
+        whole = attn.qk_norm is QKNorm.WHOLE  # norm the flat projection, before the split into heads
         if whole:
+            assert L.q_norm is not None and L.k_norm is not None, f"layer {i} has no q/k norms"  # required tensors
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
         q = q.reshape(n, n_head, hd)
         k = k.reshape(n, n_kv, hd)
         v = v.reshape(n, n_kv, hd)
         if L.q_norm is not None and not whole:
+            assert L.k_norm is not None, f"layer {i} has a q norm but no k norm"
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
         if cfg.uses_rope(i):
             base, n_rot = cfg.rope_base(i), cfg.rope_dim_at(i)
-            factors = self.rope_freqs if self.spec.rope_freqs_swa or not cfg.is_swa(i) else None
+            factors = self.arch.rope_factors(cfg, i, self.rope_freqs)
             factors = None if factors is None else factors[: n_rot // 2]  # step35: one tensor for every layer's width
-            q = rope(q, pos, base, self.spec.rope, n_rot, self.yarn, factors)
-            k = rope(k, pos, base, self.spec.rope, n_rot, self.yarn, factors)
+            q = rope(q, pos, base, attn.rope, n_rot, self.yarn, factors)
+            k = rope(k, pos, base, attn.rope, n_rot, self.yarn, factors)
             if self.qk_norm_after_rope:
                 one = np.float32(1.0)
                 q, k = rms_norm(q, one, cfg.rms_eps), rms_norm(k, one, cfg.rms_eps)
-        elif self.spec.attn_temp is not None:
-            q = q * attn_temperature(pos, self.spec.attn_temp)[:, None, None]
+        elif self.arch.attn_temp is not None:
+            q = q * attn_temperature(pos, self.arch.attn_temp)[:, None, None]
         cache.extend(i, k, v)
         rep = n_head // n_kv
         scale = np.float32(1.0 / np.sqrt(hd))
@@ -404,9 +406,9 @@ class Backbone:
         time over exactly its causal positions (batch invariant, as :meth:`attention`)."""
         cfg, eps = self.cfg, self.cfg.rms_eps
         n, heads, lat, nope = h.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
-        q = A.wq(h if A.wq_a is None else rms_norm(A.wq_a(h), A.q_a_norm, eps)).reshape(n, heads, cfg.head_dim)
+        q = A.wq(h if A.wq_a is None or A.q_a_norm is None else rms_norm(A.wq_a(h), A.q_a_norm, eps)).reshape(n, heads, cfg.head_dim)
         kv = A.wkv_a(h)
-        style, base = self.spec.rope, cfg.rope_base(i)
+        style, base = self.arch.attention.rope, cfg.rope_base(i)
         k_pe = rope(np.ascontiguousarray(kv[:, None, lat:]), pos, base, style, yarn=self.yarn)[:, 0]
         q_pe = rope(np.ascontiguousarray(q[..., nope:]), pos, base, style, yarn=self.yarn)
         q_abs = np.stack([A.k_b[j](np.ascontiguousarray(q[:, j, :nope])) for j in range(heads)], axis=1)
@@ -483,7 +485,7 @@ class Backbone:
         if L.ffn is not None:  # a dense layer: nothing to dispatch
             return x + L.ffn(h)
         ids, w = self.router(i, h, margins)
-        before = self.spec.weight_before_expert
+        before = self.arch.router.weight_before_expert
         routed = moe_ffn(i, *weight_inputs(h, ids, w)) if before else moe_ffn(i, h, ids, w)
         sh = self.shared_expert(i, h)  # runs while a remote dispatch is in flight
         out = slot_sum(routed.result(), ids.shape[1]) if before else routed.result()

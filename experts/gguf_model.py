@@ -18,22 +18,16 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .arch import EXPERT_BIASES, EXPERT_TENSORS, FUSED_GATE_UP, MTP_OPTIONAL, Gating, SharedExpert, arch_spec
+from .arch import EXPERT_BIASES, EXPERT_TENSORS, FUSED_GATE_UP, MTP_OPTIONAL
+from .archs import arch_spec
+from .archs.gdn import GatedDeltaNet, ssm_in_shape
+from .archs.keys import Keys
+from .archs.keys import field as _field
 from .config import ModelConfig, TokenizerSpec
 from .errors import ModelFormatError, SliceError
-from .model_writer import expected_shapes, gdn_ssm_in_shape
+from .model_writer import expected_shapes
 
 SLICE_PREFIX = "moeswarm.slice."
-
-
-def _field(reader: gguf.GGUFReader, key: str, *, required: bool = True, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        if required:
-            raise ModelFormatError(f"GGUF key {key!r} is missing; the file was not written by a llama.cpp-compatible converter")
-        return default
-    value = f.contents()
-    return value
 
 
 @dataclass(frozen=True)
@@ -48,7 +42,7 @@ class ExpertRange:
             raise ValueError(f"empty or negative expert range {self.start}..{self.stop}")
 
     def __contains__(self, e: object) -> bool:
-        return isinstance(e, (int, np.integer)) and self.start <= e < self.stop
+        return isinstance(e, (int, np.integer)) and bool(self.start <= e < self.stop)
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -58,217 +52,9 @@ class ExpertRange:
 
 
 def read_config(reader: gguf.GGUFReader) -> ModelConfig:
+    """The hyper-parameters of a GGUF file, read by its arch's family module (:mod:`experts.archs`)."""
     arch = _field(reader, "general.architecture")
-    spec = arch_spec(arch)
-    a = arch + "."
-
-    def opt(key: str, default):
-        return _field(reader, a + key, required=False, default=default)
-
-    n_embd = int(_field(reader, a + "embedding_length"))
-    n_nextn = int(opt("nextn_predict_layers", 0))
-    n_all = int(_field(reader, a + "block_count"))
-    n_layer = n_all - n_nextn  # llama.cpp never runs the MTP blocks
-    layered = _read_layer_arrays(reader, a, n_all)
-    n_head, n_head_kv = layered.pop("n_head"), layered.pop("n_head_kv")
-    n_expert = int(opt("expert_count", 0))
-    if n_expert == 0:
-        raise ModelFormatError(f"{a}expert_count is missing or 0: this is a dense model, not a Mixture-of-Experts one")
-    n_ff_exp = _one_value(_field(reader, a + spec.n_ff_exp_key), a + spec.n_ff_exp_key)
-    n_ff_shexp = 0
-    if spec.shexp_from_count:
-        n_shared = int(_field(reader, a + "expert_shared_count"))
-        if n_shared < 1:  # measured: llama.cpp's graph then computes another model (cosine ~0.93 to ours)
-            raise ModelFormatError(f"{a}expert_shared_count is 0: {arch} models have a shared expert (llama.cpp's graph assumes one)")
-        unit = int(opt("expert_shared_feed_forward_length", 0)) if spec.shexp_unit_key else 0
-        n_ff_shexp = (unit or n_ff_exp) * n_shared
-    elif spec.shexp_expert_width:
-        n_ff_shexp = n_ff_exp
-    elif spec.shared_expert is not SharedExpert.NONE:
-        n_ff_shexp = int(opt("expert_shared_feed_forward_length", 0))
-        if not n_ff_shexp and not spec.shexp_key_only:
-            n_ff_shexp = int(_field(reader, a + "feed_forward_length"))
-    n_dense_lead = int(opt("leading_dense_block_count", 0)) if spec.dense_lead else 0
-    moe_step = int(_field(reader, a + "interleave_moe_layer_step")) if spec.interleave_moe else 0
-    if spec.interleave_moe and not 0 < moe_step <= n_layer:
-        raise ModelFormatError(f"{a}interleave_moe_layer_step is {moe_step}: with {n_layer} layers that leaves no MoE layer")
-    has_dense = n_dense_lead > 0 or moe_step > 1
-    head_dim = int(opt("attention.key_length", n_embd // n_head))
-    mla = _read_mla(reader, a, head_dim) if spec.mla else {}
-    gdn = _read_delta_net(reader, a, n_layer) if spec.delta_net else {}
-    head_dim = mla.pop("head_dim", head_dim)
-    n_rot = int(opt("rope.dimension_count", head_dim))
-    if not spec.mla and int(opt("attention.value_length", head_dim)) != head_dim:
-        raise ModelFormatError(f"{a}attention.value_length differs from the key length {head_dim}; moeswarm's attention needs equal K and V heads")
-    for key, same in (("attention.key_length_swa", head_dim), ("attention.value_length_swa", head_dim), ("rope.dimension_count_swa", n_rot)):
-        if int(opt(key, same)) != same:  # llama.cpp's loader reads them for every arch
-            raise ModelFormatError(f"{a}{key} is {opt(key, same)}, not {same}: other head or RoPE sizes on SWA layers are not supported")
-    gating = None
-    if spec.gating_from_file:
-        code = _field(reader, a + "expert_gating_func", required=spec.gating is None, default=0)
-        try:
-            gating = Gating(int(code)).name.lower() if code else spec.gating.name.lower()  # type: ignore[union-attr]
-        except ValueError:
-            raise ModelFormatError(f"{a}expert_gating_func is {code}; supported: " + ", ".join(f"{g.value} ({g.name.lower()})" for g in Gating)) from None
-    n_groups = int(opt("expert_group_count", 0))
-    n_group_used = int(_field(reader, a + "expert_group_used_count")) if n_groups > 1 else 0
-    if n_groups > 1 and not (n_expert % n_groups == 0 and 0 < n_group_used < n_groups < n_expert):  # llama.cpp asserts the same
-        raise ModelFormatError(f"{a}expert_group_count {n_groups} / expert_group_used_count {n_group_used} do not fit {n_expert} experts (llama.cpp needs 0 < used < groups < experts, groups dividing the experts)")
-    n_swa = swa_period = 0
-    if spec.swa_layers:  # step35: a window and one SWA flag per block (llama.cpp's get_arr: any other type is refused)
-        n_swa = int(_field(reader, a + "attention.sliding_window"))
-        pattern = _field(reader, a + "attention.sliding_window_pattern")
-        if not isinstance(pattern, list) or len(pattern) != n_all:
-            raise ModelFormatError(f"{a}attention.sliding_window_pattern must be an array of {n_all} per-layer flags for {arch}")
-        layered["swa_pattern"] = tuple(bool(x) for x in pattern)
-    elif spec.swa_period:
-        n_swa = int(_field(reader, a + "attention.sliding_window"))
-        swa_period = opt("attention.sliding_window_pattern", spec.swa_period)
-        if not isinstance(swa_period, int):  # llama.cpp's get_key_or_arr into one period: a per-layer array is another arch's
-            raise ModelFormatError(f"{a}attention.sliding_window_pattern must be one period for {arch}, not a per-layer array")
-    elif spec.chunked_attn:
-        if opt("attention.sliding_window", None) == 0:  # llama.cpp then runs no chunks but still asks for the temperature, and aborts
-            raise ModelFormatError(f"{a}attention.sliding_window is 0 (no chunked attention): llama.cpp cannot run such {arch} files, so neither do we")
-        n_swa, swa_period = spec.chunked_attn, opt("attention.sliding_window_pattern", spec.chunk_period)
-        if not isinstance(swa_period, int):
-            raise ModelFormatError(f"{a}attention.sliding_window_pattern must be one period for {arch}, not a per-layer array")
-    for key, only in spec.fixed_keys:
-        got = _field(reader, a + key)
-        if only is not None and got != only:
-            raise ModelFormatError(f"{a}{key} is {got}; {arch} runs only with {only} (the one value llama.cpp's {arch} graph computes correctly)")
-    scaling = str(opt("rope.scaling.type", "none"))
-    if scaling not in ("none", "yarn"):
-        raise ModelFormatError(f"{a}rope.scaling.type is {scaling!r}; supported: none, yarn")
-    yarn = scaling == "yarn"
-    n_ctx = int(_field(reader, a + "context_length"))  # llama.cpp refuses a file without it
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return ModelConfig(
-        arch=arch,
-        n_vocab=len(tokens.data) if tokens is not None else int(_field(reader, a + "vocab_size")),  # slices keep no vocabulary
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=head_dim,
-        n_expert=n_expert,
-        n_expert_used=int(_field(reader, a + "expert_used_count")),
-        n_ff_exp=n_ff_exp,
-        n_ff_shexp=n_ff_shexp,
-        rms_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon", required=spec.requires_rms_eps, default=1e-5)),
-        rope_theta=float(opt("rope.freq_base", 10000.0)),
-        context_length=n_ctx,
-        name=str(_field(reader, "general.name", required=False, default=arch)),
-        n_nextn=n_nextn,
-        n_dense_lead=n_dense_lead,
-        n_ff_dense=_one_value(_field(reader, a + "feed_forward_length"), a + "feed_forward_length") if has_dense else 0,
-        n_rot=0 if n_rot == head_dim else n_rot,
-        gating=gating,
-        norm_topk=bool(opt("expert_weights_norm", False)) if spec.norm_from_file else None,
-        expert_weights_scale=float(opt("expert_weights_scale", 0.0)) if spec.scale_from_file else 0.0,
-        n_expert_groups=n_groups if n_groups > 1 else 0,  # 1/1 (as GLM files say) means no grouping
-        n_group_used=n_group_used,
-        n_swa=n_swa,
-        swa_period=int(swa_period),
-        rope_theta_swa=float(opt("rope.freq_base_swa", spec.swa_rope_base)) if n_swa else 0.0,
-        yarn_factor=float(opt("rope.scaling.factor", 0.0)) if yarn else 0.0,  # absent: factor 1, YaRN changes nothing
-        yarn_orig_ctx=int(opt("rope.scaling.original_context_length", n_ctx)) if yarn else 0,
-        **mla,
-        moe_step=moe_step,
-        **gdn,
-        **layered,
-        **(_read_clamps(reader, a, n_all) if spec.swiglu_clamps else {}),
-    )
-
-
-def _read_delta_net(reader: gguf.GGUFReader, a: str, n_layer: int) -> dict:
-    """The gated delta-net keys of a qwen3next / qwen35moe file as llama.cpp's ``load_arch_hparams`` reads them (all
-    five ssm.* keys required), and the layer schedule: ``attention.recurrent_layers`` if present, else recurrent iff
-    ``(i + 1) % full_attention_interval != 0`` (default 4)."""
-    ssm = {k: int(_field(reader, a + "ssm." + k)) for k in ("conv_kernel", "inner_size", "state_size", "time_step_rank", "group_count")}
-    state, n_v, n_k = ssm["state_size"], ssm["time_step_rank"], ssm["group_count"]
-    if not (state > 0 and n_k > 0 and n_v % n_k == 0 and ssm["inner_size"] == state * n_v and ssm["conv_kernel"] > 1):
-        raise ModelFormatError(f"{a}ssm.* keys {ssm} do not fit a gated delta-net (llama.cpp needs inner_size = state_size * time_step_rank, time_step_rank a multiple of group_count, conv_kernel > 1)")
-    flags = _field(reader, a + "attention.recurrent_layers", required=False)
-    if flags is not None:
-        if not isinstance(flags, list) or len(flags) < n_layer:
-            raise ModelFormatError(f"{a}attention.recurrent_layers must be one flag per layer ({n_layer} at least)")
-        kinds = "".join("r" if f else "a" for f in flags[:n_layer])
-    else:
-        interval = int(_field(reader, a + "full_attention_interval", required=False, default=4))
-        if interval < 1:
-            raise ModelFormatError(f"{a}full_attention_interval is {interval}; it must be at least 1")
-        kinds = "".join("r" if (i + 1) % interval else "a" for i in range(n_layer))
-    return {"ssm_conv": ssm["conv_kernel"], "ssm_state": state, "ssm_k_heads": n_k, "ssm_v_heads": n_v, "layer_kinds": kinds}
-
-
-def _one_value(value, key: str) -> int:
-    """A key llama.cpp reads with get_key_or_arr into one value per layer, where moeswarm supports one value for all."""
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise ModelFormatError(f"{key} differs between layers ({value}); moeswarm supports one value for every layer")
-        value = value[0]
-    return int(value)
-
-
-def _read_layer_arrays(reader: gguf.GGUFReader, a: str, n_all: int) -> dict:
-    """attention.head_count / head_count_kv, a number or one per block (llama.cpp's get_key_or_arr, which needs
-    exactly block_count entries; the KV count defaults to the head count). An array of one count reads as that
-    count, so such files keep their digests; other arrays only for archs that run per-layer heads (step35)."""
-    arch = a[:-1]
-    heads = _field(reader, a + "attention.head_count")
-    kv = _field(reader, a + "attention.head_count_kv", required=False, default=heads)
-    out: dict = {}
-    for value, key, name in ((heads, "attention.head_count", "n_head"), (kv, "attention.head_count_kv", "n_head_kv")):
-        if isinstance(value, list) and len(value) != n_all:
-            raise ModelFormatError(f"{a}{key} has {len(value)} entries; llama.cpp needs one per block ({n_all})")
-        counts = tuple(int(x) for x in (value if isinstance(value, list) else [value]))
-        if 0 in counts:
-            raise ModelFormatError(f"{a}{key} is 0 on some layer: attention-free layers are not supported")
-        out[name] = counts[0]
-        if len(set(counts)) > 1:
-            if not arch_spec(arch).layer_heads:
-                raise ModelFormatError(f"{a}{key} differs between layers; {arch} runs one head count on every layer")
-            out[name + "_layers"] = counts
-    return out
-
-
-def _read_clamps(reader: gguf.GGUFReader, a: str, n_all: int) -> dict:
-    """step35's SwiGLU clamps, a number or one per block (both optional: none means no clamp), as float32 values."""
-    out = {}
-    for key, field_ in (("swiglu_clamp_exp", "clamp_exp"), ("swiglu_clamp_shexp", "clamp_shexp")):
-        value = _field(reader, a + key, required=False, default=None)
-        if value is None:
-            continue
-        values = value if isinstance(value, list) else [value] * n_all
-        if len(values) != n_all:
-            raise ModelFormatError(f"{a}{key} has {len(values)} entries; llama.cpp needs one per block ({n_all})")
-        if any(v > 1e-6 for v in values):
-            out[field_] = tuple(float(np.float32(v)) for v in values)
-    return out
-
-
-def _read_mla(reader: gguf.GGUFReader, a: str, key_length: int) -> dict:
-    """The MLA fields of a deepseek2 file, as llama.cpp's loader reads them: both ``*_mla`` lengths present means the
-    absorbed layout (attn_k_b/attn_v_b, key_length = latent + rope), else the legacy attn_kv_b one (key_length = the
-    query/key head)."""
-
-    def opt(key: str, default):
-        return _field(reader, a + key, required=False, default=default)
-
-    if float(opt("attention.temperature_scale", 0.0)):
-        raise ModelFormatError(f"{a}attention.temperature_scale is set (Q temperature tuning, Mistral-Large style); moeswarm does not implement it")
-    k_mla, v_mla = int(opt("attention.key_length_mla", 0)), int(opt("attention.value_length_mla", 0))
-    kv_b = not (k_mla and v_mla)
-    head_dim = key_length if kv_b else k_mla
-    return {
-        "head_dim": head_dim,
-        "q_lora_rank": int(opt("attention.q_lora_rank", 0)),
-        "kv_lora_rank": int(_field(reader, a + "attention.kv_lora_rank")),
-        "v_head_dim": int(opt("attention.value_length", head_dim)) if kv_b else v_mla,
-        "mla_kv_b": kv_b,
-        # the converter wrote 0.1 * mscale_all_dim; divided in float32 as llama.cpp does (0.1f / 0.1f is exactly 1)
-        "yarn_log_mul": float(np.float32(opt("rope.scaling.yarn_log_multiplier", 0.0)) / np.float32(0.1)),
-    }
+    return ModelConfig(arch=arch, **arch_spec(arch).read(Keys(reader, arch)))
 
 
 @dataclass(frozen=True)
@@ -358,15 +144,16 @@ class GGUFModel:
                 e, ff, d = want.pop(f"blk.{i}.ffn_gate_exps.weight")
                 del want[f"blk.{i}.ffn_up_exps.weight"]
                 want[f"blk.{i}.{FUSED_GATE_UP}.weight"] = (e, 2 * ff, d)
-        if cfg.spec.gdn_ssm_in:
+        attention = cfg.spec.attention
+        if isinstance(attention, GatedDeltaNet) and attention.ssm_in:
             for i in range(cfg.n_layer):
                 if cfg.is_recurrent(i) and self.has(f"blk.{i}.ssm_in.weight"):  # qwen3next's legacy input projection
                     del want[f"blk.{i}.attn_qkv.weight"], want[f"blk.{i}.attn_gate.weight"]
-                    want[f"blk.{i}.ssm_in.weight"] = gdn_ssm_in_shape(cfg)
+                    want[f"blk.{i}.ssm_in.weight"] = ssm_in_shape(cfg)
         if self.is_slice:
             n = len(self.experts)
             want = {name: (n, *want[name][1:]) for i in self.moe_layers for name in self.expert_tensors(i)}
-        elif "output.weight" not in self.tensors and cfg.spec.tied_output_allowed:
+        elif "output.weight" not in self.tensors and cfg.spec.tied_output:
             del want["output.weight"]
         optional = cfg.spec.optional_tensors
         unknown = [n for n in self.tensors if n not in want and not self._optional_mtp(n)]
@@ -385,10 +172,7 @@ class GGUFModel:
             raise ModelFormatError(
                 f"tokenizer.ggml.tokens has {cfg.n_vocab} tokens but token_embd.weight has {want['token_embd.weight'][0]} rows"
             )
-        if cfg.spec.fused_qkv and cfg.q_dim != cfg.n_embd:
-            raise ModelFormatError(f"{cfg.arch} needs n_head * head_dim == n_embd (llama.cpp sizes attn_qkv by n_embd); got {cfg.q_dim} != {cfg.n_embd}")
-        if cfg.spec.mha_only and cfg.n_head_kv != cfg.n_head:
-            raise ModelFormatError(f"{cfg.arch} needs as many KV heads as heads (llama.cpp sizes its K for n_head heads); got {cfg.n_head_kv} of {cfg.n_head}")
+        cfg.spec.check(cfg)
 
     def _optional_mtp(self, name: str) -> bool:
         """An MTP block's optional tensors (its own embedding / head): loaded by llama.cpp if present, never run."""
@@ -430,7 +214,7 @@ class GGUFModel:
 
     def expert_biases(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """float32 (gate (ff,), up (ff,), down (d,)) biases of one expert, or None if the arch has none."""
-        if not self.cfg.spec.expert_bias:
+        if not self.cfg.spec.experts.biases:
             return None
         g, u, d = (
             dequantize_bytes(self.expert_rows(f"blk.{layer}.{b}", expert), self.qtype(f"blk.{layer}.{b}"), self.shape(f"blk.{layer}.{b}")[1:])
@@ -513,7 +297,7 @@ def expert_tensor_names(cfg: ModelConfig, has: Callable[[str], bool], layer: int
     """The tensors of *layer* stacked by expert, in slice order; shared by a GGUF file and a manifest (a fetch
     writes a slice from a manifest alone, in the order a cut from the full file writes it)."""
     names = tuple(f"blk.{layer}.{kind}.weight" for kind in expert_kinds(has, layer))
-    return names + (tuple(f"blk.{layer}.{b}" for b in EXPERT_BIASES) if cfg.spec.expert_bias else ())
+    return names + (tuple(f"blk.{layer}.{b}" for b in EXPERT_BIASES) if cfg.spec.experts.biases else ())
 
 
 def config_from_line(line: str) -> ModelConfig:
@@ -559,10 +343,10 @@ def _manifest_entries(model: GGUFModel) -> dict[str, tuple[str, list[str]]]:
         data = model.raw(name)
         leaves: list[str] = []
         if _is_expert_tensor(name):
-            leaves = [hashlib.sha256(row).hexdigest() for row in data.reshape(data.shape[0], -1)]
+            leaves = [hashlib.sha256(row.data).hexdigest() for row in data.reshape(data.shape[0], -1)]
             h = hashlib.sha256("".join(leaves).encode()).hexdigest()
         else:
-            h = hashlib.sha256(data).hexdigest()
+            h = hashlib.sha256(data.data).hexdigest()
         shape = "x".join(str(x) for x in model.shape(name))
         entries.append((name, f"{name}|{t.tensor_type.name}|{shape}|{h}", leaves))
     try:

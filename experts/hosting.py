@@ -53,7 +53,7 @@ def packed_bytes(model: GGUFModel, layers: range, experts: ExpertRange) -> int:
 def float_bytes(model: GGUFModel, layers: range, experts: ExpertRange) -> int:
     """What a float32 cache of *layers* x *experts* takes (gate, up and down of each expert, and their biases)."""
     cfg = model.cfg
-    per_expert = 3 * cfg.n_ff_exp * cfg.n_embd + ((2 * cfg.n_ff_exp + cfg.n_embd) if cfg.spec.expert_bias else 0)
+    per_expert = 3 * cfg.n_ff_exp * cfg.n_embd + ((2 * cfg.n_ff_exp + cfg.n_embd) if cfg.spec.experts.biases else 0)
     return per_expert * 4 * sum(map(cfg.is_moe, layers)) * len(experts)
 
 

@@ -254,7 +254,11 @@ class ExpertSource:
     model: GGUFModel
     layers: range
     experts: ExpertRange
-    identity: KernelIdentity
+
+    @property
+    def identity(self) -> KernelIdentity:
+        """Whose bits the sums are (a kernel's identity); read-only: a source computes with one kernel."""
+        raise NotImplementedError
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise NotImplementedError

@@ -70,7 +70,7 @@ class PackedExperts(HostedExperts):
         """The expert biases of *layer* as float32 stacks by local expert (None if the arch has none)."""
         if layer not in self._biases:
             m = self.model
-            self._biases[layer] = ExpertBias(*(m.dense(f"blk.{layer}.{b}") for b in EXPERT_BIASES)) if m.cfg.spec.expert_bias else None
+            self._biases[layer] = ExpertBias(*(m.dense(f"blk.{layer}.{b}") for b in EXPERT_BIASES)) if m.cfg.spec.experts.biases else None
         return self._biases[layer]
 
     def ffn(self, layer: int, x: np.ndarray, experts: np.ndarray) -> np.ndarray:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 
+from .archs import arch_spec
 from .config import ModelConfig, TokenizerSpec
 from .errors import ModelFormatError
 from .model_writer import expected_shapes, keeps_f32, write_model
@@ -58,157 +60,11 @@ def byte_level_tokenizer() -> TokenizerSpec:
     return TokenizerSpec(model="gpt2", pre="gpt-2", tokens=tokens, token_types=types, merges=merges, bos_id=eot, eos_id=eot)
 
 
-# What a random model of each arch switches on beyond its table row, so every feature llama.cpp
-# implements for the arch is exercised: glm4moe gets a dense lead layer, a trailing MTP block,
-# half-width RoPE, a scaled renormalised router with expert groups; minimax-m2 half-width RoPE; gpt-oss a
-# 4-token window on its SWA layers with their own RoPE base, and YaRN (factor 32, as the real models) over an
-# original context of 64, so the ramp between interpolated and extrapolated frequencies falls inside the head;
-# dots1 glm4moe's router (from the file, with groups) and a dense lead; ernie4_5-moe a dense lead and groups (its
-# shared expert and optional selection bias are on by default); bailingmoe2 dots1's plus half-width RoPE and an MTP
-# block. qwen3vlmoe needs nothing beyond qwen3moe's.
-RANDOM_FEATURES: dict[str, dict] = {
-    "glm4moe": {"n_dense_lead": 1, "n_nextn": 1, "half_rope": True, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
-    "minimax-m2": {"half_rope": True, "gating": "sigmoid"},
-    "gpt-oss": {"n_swa": 4, "rope_theta_swa": 2000.0, "yarn_factor": 32.0, "yarn_orig_ctx": 64},
-    "dots1": {"n_dense_lead": 1, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
-    "ernie4_5-moe": {"n_dense_lead": 1, "groups": (4, 2)},
-    "bailingmoe2": {"n_dense_lead": 1, "n_nextn": 1, "half_rope": True, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2)},
-    # DeepSeek-V3's router and schedule, a trailing MTP block (as GLM-4.7-Flash); MLA with V3's proportions (rope =
-    # nope/2, v = nope; latent 2x and q-LoRA 3x nope, less than V3's 4x/12x); YaRN factor 4 over 64 positions with
-    # V3's mscale_all_dim of 1.
-    "deepseek2": {"n_dense_lead": 1, "n_nextn": 1, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2),
-                  "yarn_factor": 4.0, "yarn_orig_ctx": 64, "yarn_log_mul": 1.0, "mla": (3, 2)},
-    # llama4: experts on every 2nd layer (dense FFNs between, as Maverick), chunked attention and NoPE layers from
-    # the arch row (chunks of 8192 and the temperature only show past position 8190), rope_freqs factors.
-    "llama4": {"moe_step": 2},
-    # qwen3next / qwen35moe: full attention every 2nd layer (so 3 layers hold both kinds, a recurrent one after the
-    # attention one), a quarter of the head rotated (as the real models), twice as many V heads as K heads (so grouped
-    # vs tiled matters), a trailing MTP block.
-    "qwen3next": {"n_nextn": 1, "quarter_rope": True, "attn_interval": 2},
-    "qwen35moe": {"n_nextn": 1, "quarter_rope": True, "attn_interval": 2},
-    # step35: a dense lead, odd layers SWA (a 4-token window, their own RoPE base, half again as many query and KV
-    # heads), even layers full attention (half the dims rotated, rope_freqs); DeepSeek-V3's router with groups; an MTP
-    # block; SwiGLU clamps per layer (routed / shared+dense) tight enough to clip on random weights (gate and up ~ N(0, 1)).
-    "step35": {"n_dense_lead": 1, "n_nextn": 1, "gating": "sigmoid", "norm_topk": True, "expert_weights_scale": 2.5, "groups": (4, 2),
-               "n_swa": 4, "rope_theta_swa": 2000.0, "clamps": ((0.0, 1.0, 0.75), (0.5, 1.25, 1.0))},
-}
-
-
-def random_config(
-    arch: str,
-    *,
-    n_layer: int = 2,
-    n_embd: int = 64,
-    n_head: int = 4,
-    n_head_kv: int | None = None,
-    head_dim: int | None = None,
-    n_expert: int = 8,
-    n_expert_used: int = 2,
-    n_ff_exp: int = 32,
-    n_ff_shexp: int | None = None,
-    n_vocab: int | None = None,
-    mla_kv_b: bool = False,
-) -> ModelConfig:
-    """A small model of *arch* with every feature of the arch on (:data:`RANDOM_FEATURES`).
-
-    For an MLA arch *head_dim* is the un-roped query/key part (qk_nope, also the value head), and *mla_kv_b*
-    writes the legacy attn_kv_b layout instead of attn_k_b/attn_v_b.
-    """
-    from .arch import SharedExpert, arch_spec
-
-    spec = arch_spec(arch)
-    if n_head_kv is None:
-        n_head_kv = n_head if spec.mha_only else 2
-    elif spec.mha_only and n_head_kv != n_head:
-        raise ModelFormatError(f"{arch} needs as many KV heads as heads ({n_head}); got {n_head_kv}")
-    if spec.shexp_expert_width:
-        n_ff_shexp = n_ff_exp  # llama.cpp reads no width for it
-    elif spec.shared_expert is SharedExpert.NONE:
-        n_ff_shexp = 0  # the arch has none: llama.cpp would refuse the file's extra tensors
-    elif n_ff_shexp is None:
-        n_ff_shexp = 2 * n_ff_exp
-    if spec.shexp_from_count and n_ff_shexp % n_ff_exp:
-        raise ModelFormatError(f"{arch} stores the shared expert as a count of expert widths: {n_ff_shexp} is not a multiple of {n_ff_exp}")
-    if not 0 < n_expert_used <= n_expert:
-        raise ModelFormatError(f"top-k {n_expert_used} must be between 1 and the expert count {n_expert}")
-    head_dim = head_dim or n_embd // n_head
-    feat = RANDOM_FEATURES.get(arch, {})
-    mla: dict = {}
-    if spec.mla:
-        q_mul, kv_mul = feat["mla"]
-        nope, rope = head_dim, head_dim // 2
-        mla = {"q_lora_rank": q_mul * nope, "kv_lora_rank": kv_mul * nope, "v_head_dim": nope, "mla_kv_b": mla_kv_b, "yarn_log_mul": feat["yarn_log_mul"]}
-        head_dim, n_head_kv = nope + rope, n_head if mla_kv_b else 1  # the absorbed layout caches one latent "head"
-    elif mla_kv_b:
-        raise ModelFormatError(f"{arch} has no latent attention: the attn_kv_b layout is deepseek2's")
-    n_dense_lead = feat.get("n_dense_lead", 0)
-    if n_layer <= n_dense_lead:
-        raise ModelFormatError(f"{arch} random models have {n_dense_lead} dense lead layer(s); give more than {n_dense_lead} layers")
-    moe_step = feat.get("moe_step", 0)
-    if n_layer < moe_step:
-        raise ModelFormatError(f"{arch} random models have experts on every layer i with (i + 1) % {moe_step} == 0; give at least {moe_step} layers")
-    gdn: dict = {}
-    if spec.delta_net:  # S = head_dim, n_v = n_head, n_k = n_v / 2, conv 4 (Qwen3-Next's kernel)
-        every = feat["attn_interval"]
-        gdn = {"ssm_conv": 4, "ssm_state": head_dim, "ssm_k_heads": max(1, n_head // 2), "ssm_v_heads": n_head,
-               "layer_kinds": "".join("r" if (i + 1) % every else "a" for i in range(n_layer))}
-    groups, used = feat.get("groups", (0, 0))
-    if not (groups and n_expert % groups == 0 and groups < n_expert and n_expert_used <= used * (n_expert // groups)):
-        groups = used = 0  # too few experts for the arch's groups: plain top-k
-    return ModelConfig(
-        arch=arch,
-        n_vocab=n_vocab or len(byte_level_tokenizer().tokens),
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=head_dim,
-        n_expert=n_expert,
-        n_expert_used=n_expert_used,
-        n_ff_exp=n_ff_exp,
-        n_ff_shexp=n_ff_shexp,
-        rms_eps=1e-6,
-        rope_theta=10000.0,
-        context_length=512,
-        name=f"random-{arch}",
-        n_nextn=feat.get("n_nextn", 0),
-        n_dense_lead=n_dense_lead,
-        n_ff_dense=2 * n_ff_exp if n_dense_lead or moe_step > 1 else 0,
-        n_rot=head_dim // 2 if feat.get("half_rope") else head_dim // 4 if feat.get("quarter_rope") else head_dim // 3 if spec.mla else 0,
-        gating=feat.get("gating"),
-        norm_topk=feat.get("norm_topk"),
-        expert_weights_scale=feat.get("expert_weights_scale", 0.0),
-        n_expert_groups=groups,
-        n_group_used=used,
-        n_swa=feat.get("n_swa", spec.chunked_attn),
-        swa_period=spec.swa_period if feat.get("n_swa") else spec.chunk_period,
-        rope_theta_swa=feat.get("rope_theta_swa", 0.0),
-        yarn_factor=feat.get("yarn_factor", 0.0),
-        yarn_orig_ctx=feat.get("yarn_orig_ctx", 0),
-        **mla,
-        moe_step=moe_step,
-        **gdn,
-        **(_layer_arrays(feat, n_layer + feat.get("n_nextn", 0), n_head, n_head_kv) if spec.swa_layers else {}),
-    )
-
-
-def _layer_arrays(feat: dict, n_all: int, n_head: int, n_head_kv: int) -> dict:
-    """step35's per-layer arrays: odd layers SWA with 3/2 the heads (when that divides), the clamps of
-    ``feat["clamps"]`` cycled over the layers."""
-    swa = tuple(i % 2 == 1 for i in range(n_all))
-    wide = n_head % 2 == 0 and n_head_kv % 2 == 0
-
-    def per_layer(n: int) -> tuple[int, ...]:
-        return tuple(n * 3 // 2 if s and wide else n for s in swa)
-
-    exp, shexp = feat["clamps"]
-    return {
-        "n_head_layers": per_layer(n_head) if wide else (),
-        "n_head_kv_layers": per_layer(n_head_kv) if wide else (),
-        "swa_pattern": swa,
-        "clamp_exp": tuple(exp[i % len(exp)] for i in range(n_all)),
-        "clamp_shexp": tuple(shexp[i % len(shexp)] for i in range(n_all)),
-    }
+def random_config(arch: str, *, n_vocab: int | None = None, **shape: Any) -> ModelConfig:
+    """A small model of *arch* with every feature of the arch on: the family's ``random`` features, the shape
+    keywords of :meth:`experts.archs.Arch.random_config` (n_layer, n_embd, n_head, n_head_kv, head_dim, n_expert,
+    n_expert_used, n_ff_exp, n_ff_shexp, mla_kv_b). The vocabulary defaults to the byte-level tokenizer's."""
+    return arch_spec(arch).random_config(n_vocab=n_vocab or len(byte_level_tokenizer().tokens), **shape)
 
 
 def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:

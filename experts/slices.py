@@ -125,7 +125,7 @@ def check_slice(sl: GGUFModel, expected_digest: str | None = None, progress: Pro
             if leaves is None or hashlib.sha256("".join(leaves).encode()).hexdigest() != manifest_hash.get(name):
                 raise SliceError(f"slice {sl.path}: tensor {name} is not part of model {info.model_digest[:16]}...")
             for e in range(sl.experts.start, sl.experts.stop):
-                if hashlib.sha256(sl.expert_rows(name, e)).hexdigest() != leaves[e]:
+                if hashlib.sha256(sl.expert_rows(name, e).data).hexdigest() != leaves[e]:
                     raise SliceError(f"slice {sl.path}: expert {e} of {name} does not match the model's bytes")
         if progress:
             progress(done, len(sl.moe_layers))

@@ -422,9 +422,12 @@ def speculative_generate(
     context = np.empty(len(prompt) + max_tokens, dtype=np.int64)  # prompt, then every yielded token
     context[: len(prompt)] = prompt
     n, end = len(prompt), len(prompt) + max_tokens  # tokens in context now, and when to stop
-    run, proposer = None, drafter
+    run: DraftRun | None = None
+    proposer: Drafter
     if isinstance(drafter, FollowingDrafter):
         run = proposer = drafter.run(cache.n_past if cache is not None else 0)
+    else:
+        proposer = drafter
     hidden: list[np.ndarray] | None = [] if run is not None else None  # each pass's final states, for the run
     cache, rows = prefill(backbone, prompt, moe_ffn, cache, hidden)
     rows = rows[-1:]  # the prefill: a step with an empty draft

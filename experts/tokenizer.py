@@ -221,7 +221,7 @@ def _special_id(reader: gguf.GGUFReader, key: str, default: int | None, n_tokens
 
 
 # llama.cpp's special-token ids when the file names none.
-_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11, "unk": None}}
+_DEFAULT_IDS: dict[str, dict[str, int | None]] = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11, "unk": None}}
 
 
 def tokenizer_spec_from_reader(reader: gguf.GGUFReader) -> TokenizerSpec:

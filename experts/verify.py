@@ -98,7 +98,7 @@ def wire_moe(source: ExpertSource, partition: Partition, codec: Codec):
         partials = []
         for g in range(len(partition.bounds)):
             held = partition.held_mask(g, ids)
-            rows = held.any(axis=1)
+            rows = np.asarray(held.any(axis=1))
             sums = np.zeros_like(x)
             if rows.any():
                 got, _ = source.partial_sum(layer, roundtrip(codec, x[rows]), ids[rows], w[rows], held[rows])

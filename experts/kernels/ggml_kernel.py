@@ -26,6 +26,7 @@ import ctypes
 import os
 import threading
 from importlib.metadata import version
+from typing import ClassVar
 
 # libggml's threads are OpenMP's, and libgomp reads this once, when it is loaded (by ``import ggml``).
 # Spinning waiters are a little faster on an idle machine but collapse when other processes share the
@@ -72,7 +73,7 @@ def _ptr(a: np.ndarray) -> int:
 class GgmlKernel:
     """ggml CPU kernels; ``threads`` is the thread count of every ggml graph it runs."""
 
-    dequantizes = False
+    dequantizes: ClassVar[bool] = False
 
     def __init__(self, threads: int = 1) -> None:
         if threads < 1:
@@ -201,10 +202,10 @@ class GgmlKernel:
                 tb = self._bind(ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, b.shape[1], b.shape[0]), b)
                 return self._bind(ggml.ggml_add_id(ctx, t, tb, tid), into)
 
-            yg = project(tg, tx, bias and bias.gate, buf(m, ff))
-            yu = project(tu, tx, bias and bias.up, buf(m, ff))
+            yg = project(tg, tx, None if bias is None else bias.gate, buf(m, ff))
+            yu = project(tu, tx, None if bias is None else bias.up, buf(m, ff))
             ya = self._glu(ctx, act, yg, yu, lambda t: self._bind(t, buf(m, ff)))
-            y = project(td, ya, bias and bias.down, out)
+            y = project(td, ya, None if bias is None else bias.down, out)
             self._compute(ctx, y)
         finally:
             ggml.ggml_free(ctx)

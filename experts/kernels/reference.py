@@ -9,6 +9,7 @@ and ``experts.forward.mm`` on the dequantized weights.
 from __future__ import annotations
 
 from importlib.metadata import version
+from typing import ClassVar
 
 import gguf
 import numpy as np
@@ -27,7 +28,7 @@ class ReferenceKernel:
     """numpy + gguf-py dequantization; every quant type gguf-py reads."""
 
     identity = KernelIdentity(library="numpy", version=np.__version__, build=("gguf-" + version("gguf"),))
-    dequantizes = True
+    dequantizes: ClassVar[bool] = True
 
     def __init__(self, threads: int = 1) -> None:
         self.threads = threads  # BLAS threads are the process's (OPENBLAS_NUM_THREADS); kept for a uniform signature

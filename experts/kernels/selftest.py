@@ -76,10 +76,14 @@ def self_test(kernel: Kernel, qtypes: Iterable[gguf.GGMLQuantizationType] = QTYP
         plain = (SWIGLU, None)
         variants = (plain, (Glu(Activation.SWIGLU_OAI, OAI_LIMIT), bias), (Glu(Activation.SILU, 0.5), None)) if step == 0 else (plain,)
         for act, b in variants:
+
+            def ffn(i: np.ndarray, act: Glu = act, b: ExpertBias | None = b) -> np.ndarray:
+                return kernel.expert_ffn(x[i], experts[i], gate, up, down, act, b)
+
             _check(
                 kernel,
                 f"expert FFN {qtype.name} {act.act.value}{' clamped' if act.clamps else ''}{' + biases' if b else ''} ({n_expert} experts, {ff}x{d})",
-                lambda i, act=act, b=b: kernel.expert_ffn(x[i], experts[i], gate, up, down, act, b),
+                ffn,
                 x,
                 rng,
             )

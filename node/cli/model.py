@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import gguf
 
-from experts.arch import ARCHS
+from experts.archs import ARCHS
 from experts.codecs import Codec
 from experts.delta_net import CHECKPOINT_EVERY
 from experts.errors import UsageError

@@ -29,7 +29,7 @@ def _gdn(**change):
 def _other_heads(bb, mp):
     cfg = bb.cfg
     j = np.arange(cfg.ssm_v_heads)
-    other = j // (cfg.ssm_v_heads // cfg.ssm_k_heads) if cfg.spec.gdn_tiled_v else j % cfg.ssm_k_heads
+    other = j // (cfg.ssm_v_heads // cfg.ssm_k_heads) if cfg.spec.attention.tiled_v else j % cfg.ssm_k_heads
     mp.setattr(delta_net, "key_heads", lambda cfg: other)
 
 

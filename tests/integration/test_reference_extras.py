@@ -27,8 +27,8 @@ def _router(**change):
 
 
 def _other_rope(bb):
-    other = RopeStyle.NORM if bb.spec.rope is RopeStyle.NEOX else RopeStyle.NEOX
-    bb.spec = dataclasses.replace(bb.spec, rope=other)
+    other = RopeStyle.NORM if bb.arch.attention.rope is RopeStyle.NEOX else RopeStyle.NEOX
+    bb.arch = dataclasses.replace(bb.arch, attention=dataclasses.replace(bb.arch.attention, rope=other))
 
 
 ABLATIONS = {

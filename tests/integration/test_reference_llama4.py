@@ -34,8 +34,8 @@ def test_the_random_model_has_every_llama4_feature(model_dir):
 
 
 def _no_weight_before(bb, mp):
-    spec = dataclasses.replace(bb.spec, weight_before_expert=False)
-    mp.setattr(bb, "spec", spec)
+    router = dataclasses.replace(bb.arch.router, weight_before_expert=False)
+    mp.setattr(bb, "arch", dataclasses.replace(bb.arch, router=router))
 
 
 LLAMA4_ABLATIONS = {

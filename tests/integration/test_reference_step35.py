@@ -13,6 +13,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from experts.archs import Arch
+from experts.archs.step import Step35
 from experts.config import ModelConfig
 from experts.forward import KVCache
 from experts.gguf_model import GGUFModel
@@ -64,7 +66,7 @@ STEP35_ABLATIONS = {
     "SWA RoPE base": lambda bb, mp: mp.setattr(bb, "cfg", dataclasses.replace(bb.cfg, rope_theta_swa=0.0)),
     "half rotation on full layers": lambda bb, mp: mp.setattr(ModelConfig, "rope_dim_at", lambda self, layer: self.rope_dim),
     "rope_freqs factors": lambda bb, mp: mp.setattr(bb, "rope_freqs", None),
-    "rope_freqs on full layers only": lambda bb, mp: mp.setattr(bb, "spec", dataclasses.replace(bb.spec, rope_freqs_swa=True)),
+    "rope_freqs on full layers only": lambda bb, mp: mp.setattr(Step35, "rope_factors", Arch.rope_factors),
     "head gate": _layers(lambda L: dataclasses.replace(L, head_gate=None)),
     "q/k norm": _layers(lambda L: dataclasses.replace(L, q_norm=None)),
     "selection bias": _layers(lambda L: dataclasses.replace(L, selection_bias=None)),

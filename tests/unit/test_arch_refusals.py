@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from experts.arch import ARCHS, ArchSpec
+from experts.archs import ARCHS, Arch
 from experts.errors import ModelFormatError
 from experts.gguf_model import GGUFModel
 from experts.model_writer import write_model
@@ -18,18 +18,13 @@ from experts.random_model import byte_level_tokenizer, random_config, random_ten
 ALL_ARCHS = sorted(ARCHS)
 
 
-def required_keys(spec: ArchSpec, n_dense_lead: int, n_groups: int) -> set[str]:
-    """The arch keys llama.cpp refuses a file without, as the table states them (without the arch prefix)."""
-    keys = {"context_length", "embedding_length", "block_count", "attention.head_count", "expert_count", "expert_used_count", spec.n_ff_exp_key}
-    keys |= {"attention.layer_norm_rms_epsilon"} if spec.requires_rms_eps else set()
-    keys |= {"expert_shared_count"} if spec.shexp_from_count else set()
-    keys |= {"expert_gating_func"} if spec.gating is None else set()
-    keys |= {"attention.sliding_window"} if spec.swa_period else set()
-    keys |= {"attention.sliding_window", "attention.sliding_window_pattern"} if spec.swa_layers else set()
+def required_keys(arch: Arch, n_dense_lead: int, n_groups: int) -> set[str]:
+    """The arch keys llama.cpp refuses a file without, as the arch's parts declare them (without the arch prefix),
+    and those its shape needs."""
+    keys = arch.required_keys()
     keys |= {"feed_forward_length"} if n_dense_lead else set()
     keys |= {"expert_group_used_count"} if n_groups > 1 else set()  # without it llama.cpp asserts, we masked every expert
-    keys |= {"ssm." + k for k in ("conv_kernel", "inner_size", "state_size", "time_step_rank", "group_count")} if spec.delta_net else set()
-    return keys | {key for key, _ in spec.fixed_keys}
+    return keys
 
 
 def write_without(path, arch: str, dropped: str, monkeypatch, extra_tensors=None) -> None:

@@ -8,7 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from experts.arch import ARCHS, Gating
+from experts.arch import Gating
+from experts.archs import ARCHS
 from experts.errors import ModelFormatError, SliceError
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.hosting import float_bytes, open_experts, packed_bytes
@@ -16,7 +17,7 @@ from experts.kernels import make_kernel
 from experts.model_writer import write_model
 from experts.moe import partial_sum
 from experts.packed_experts import PackedExperts
-from experts.random_model import RANDOM_FEATURES, byte_level_tokenizer, random_config, random_tensors
+from experts.random_model import byte_level_tokenizer, random_config, random_tensors
 from experts.slices import ExpertStore, check_slice, write_slice
 
 from ..conftest import NEW_ARCHS, make_model
@@ -38,12 +39,12 @@ def test_glm4moe_reads_its_schedule_router_and_rope_from_the_file(model_dir):
 def test_new_archs_config_lines_name_only_what_they_use(model_dir, arch):
     """Later config fields enter the config line (and so the digest) only when they are not at their default."""
     line = GGUFModel(make_model(model_dir, arch)).manifest[0]
-    feat = RANDOM_FEATURES.get(arch, {})
-    assert ("n_dense_lead" in line) == ("n_dense_lead" in feat)
-    assert ("n_rot" in line) == ("half_rope" in feat)  # the others rotate the whole head
-    assert ("yarn_factor" in line) == ("yarn_factor" in feat)
+    feat = ARCHS[arch].random
+    assert ("n_dense_lead" in line) == bool(feat.n_dense_lead)
+    assert ("n_rot" in line) == (feat.rot_div == 2)  # the others rotate the whole head
+    assert ("yarn_factor" in line) == bool(feat.yarn_factor)
     assert ("n_swa" in line) == (arch in ("gpt-oss", "llama4"))  # llama4: chunks of 8192
-    assert ("moe_step" in line) == ("moe_step" in feat)
+    assert ("moe_step" in line) == bool(feat.moe_step)
 
 
 def test_missing_required_keys_and_tensors_are_named(tmp_path, monkeypatch):
