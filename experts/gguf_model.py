@@ -26,6 +26,7 @@ from .archs.keys import field as _field
 from .config import ModelConfig, TokenizerSpec
 from .errors import ModelFormatError, SliceError
 from .model_writer import expected_shapes
+from .parts import Part, is_expert_tensor, part_names, tokenizer_blob, tokenizer_fields, tokenizer_line
 
 SLICE_PREFIX = "moeswarm.slice."
 
@@ -62,10 +63,11 @@ class SliceInfo:
     """What a slice file holds and which model it came from."""
 
     model_digest: str
-    layers: range
-    experts: ExpertRange
-    manifest: list[str]  # one "name|type|shape|sha256" line per tensor of the source model
-    leaves: dict[str, list[str]]  # expert tensor name -> per-expert sha256 of the source model
+    layers: range  # a head slice: none
+    experts: ExpertRange | None  # a dense or head slice holds no experts
+    manifest: list[str]  # the config and tokenizer lines, then one "name|type|shape|sha256" line per tensor of the source model
+    leaves: dict[str, list[str]]  # expert tensor name -> per-expert sha256 of the source model (expert slices)
+    kind: Part = Part.EXPERTS
 
 
 class GGUFModel:
@@ -107,24 +109,51 @@ class GGUFModel:
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        """The layers of this file that have experts (a slice's layer range may include dense layers)."""
+        """The layers of this file that have experts (a slice's layer range may include dense layers; a dense or
+        head slice holds no expert)."""
+        if self.slice and self.slice.kind is not Part.EXPERTS:
+            return ()
         return tuple(i for i in self.layers if self.cfg.is_moe(i))
 
     @property
     def experts(self) -> ExpertRange:
-        return self.slice.experts if self.slice else ExpertRange(0, self.cfg.n_expert)
+        if self.slice is None:
+            return ExpertRange(0, self.cfg.n_expert)
+        if self.slice.experts is None:
+            raise SliceError(f"{self.path} is a {self.slice.kind} slice: it holds no experts (serve experts from the model or an expert slice)")
+        return self.slice.experts
+
+    @property
+    def kind(self) -> Part | None:
+        """What slice this file is (None: the full model)."""
+        return self.slice.kind if self.slice else None
 
     def _read_slice_info(self) -> SliceInfo | None:
         if SLICE_PREFIX + "model_digest" not in self.reader.fields:
             return None
         p = SLICE_PREFIX
-        leaves = json.loads(_field(self.reader, p + "leaves"))
+        kind_name = _field(self.reader, p + "kind", required=False, default=Part.EXPERTS.value)  # older slices: experts
+        try:
+            kind = Part(kind_name)
+        except ValueError:
+            raise ModelFormatError(f"{self.path}: {p}kind is {kind_name!r}; this version reads experts, dense and head slices") from None
+        layers = range(0)
+        if kind is not Part.HEAD:
+            layers = range(int(_field(self.reader, p + "layer_start")), int(_field(self.reader, p + "layer_stop")))
+        experts = None
+        if kind is Part.EXPERTS:
+            experts = ExpertRange(int(_field(self.reader, p + "expert_start")), int(_field(self.reader, p + "expert_stop")))
+        try:
+            leaves = json.loads(_field(self.reader, p + "leaves"))
+        except ValueError:
+            raise ModelFormatError(f"{self.path}: {p}leaves is not JSON") from None
         return SliceInfo(
             model_digest=_field(self.reader, p + "model_digest"),
-            layers=range(int(_field(self.reader, p + "layer_start")), int(_field(self.reader, p + "layer_stop"))),
-            experts=ExpertRange(int(_field(self.reader, p + "expert_start")), int(_field(self.reader, p + "expert_stop"))),
+            layers=layers,
+            experts=experts,
             manifest=list(_field(self.reader, p + "manifest")),
             leaves=leaves,
+            kind=kind,
         )
 
     def expert_kinds(self, layer: int) -> tuple[str, ...]:
@@ -150,9 +179,13 @@ class GGUFModel:
                 if cfg.is_recurrent(i) and self.has(f"blk.{i}.ssm_in.weight"):  # qwen3next's legacy input projection
                     del want[f"blk.{i}.attn_qkv.weight"], want[f"blk.{i}.attn_gate.weight"]
                     want[f"blk.{i}.ssm_in.weight"] = ssm_in_shape(cfg)
-        if self.is_slice:
+        if self.slice and self.slice.kind is Part.EXPERTS:
             n = len(self.experts)
             want = {name: (n, *want[name][1:]) for i in self.moe_layers for name in self.expert_tensors(i)}
+        elif self.slice:  # the whole tensors of the part; which optional ones it must hold, its manifest says
+            want = {name: want[name] for name in part_names(self.slice.kind, want, self.slice.layers)}
+            if "output.weight" not in self.tensors and cfg.spec.tied_output:
+                want.pop("output.weight", None)
         elif "output.weight" not in self.tensors and cfg.spec.tied_output:
             del want["output.weight"]
         optional = cfg.spec.optional_tensors
@@ -162,13 +195,13 @@ class GGUFModel:
         for name, shape in want.items():
             t = self.tensors.get(name)
             if t is None:
-                if (name.split(".", 2)[-1] if name.startswith("blk.") else name) in optional and not self.is_slice:
+                if (name.split(".", 2)[-1] if name.startswith("blk.") else name) in optional and self.kind is not Part.EXPERTS:
                     continue
                 raise ModelFormatError(f"tensor {name} is missing from {self.path} (arch {cfg.arch})")
             got = tuple(int(x) for x in reversed(t.shape))
             if got != shape:
                 raise ModelFormatError(f"tensor {name} has shape {got}, expected {shape} from the metadata")
-        if not self.is_slice and cfg.n_vocab != want["token_embd.weight"][0]:
+        if "token_embd.weight" in want and cfg.n_vocab != want["token_embd.weight"][0]:
             raise ModelFormatError(
                 f"tokenizer.ggml.tokens has {cfg.n_vocab} tokens but token_embd.weight has {want['token_embd.weight'][0]} rows"
             )
@@ -256,8 +289,13 @@ class GGUFModel:
 
     @property
     def manifest(self) -> list[str]:
-        """The config line, then one "name|type|shape|sha256" line per tensor, in file order."""
-        return [config_line(self.cfg)] + [line for line, _ in self._entries.values()]
+        """The config line, the tokenizer line, then one "name|type|shape|sha256" line per tensor, in file order."""
+        return [config_line(self.cfg), tokenizer_line(self.tokenizer_blob)] + [line for line, _ in self._entries.values()]
+
+    @cached_property
+    def tokenizer_blob(self) -> bytes:
+        """Every ``tokenizer.*`` key of the file as the canonical bytes the manifest hashes (:mod:`experts.parts`)."""
+        return tokenizer_blob(tokenizer_fields(self.reader))
 
     @property
     def leaves(self) -> dict[str, list[str]]:
@@ -279,11 +317,6 @@ def dequantize_bytes(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: t
 
 def model_digest(manifest: list[str]) -> str:
     return hashlib.sha256("\n".join(manifest).encode()).hexdigest()
-
-
-def _is_expert_tensor(name: str) -> bool:
-    """Stacked by expert, so hashed expert by expert (a Merkle list): the weights and their biases."""
-    return name.endswith(("_exps.weight", "_exps.bias"))
 
 
 def expert_kinds(has: Callable[[str], bool], layer: int) -> tuple[str, ...]:
@@ -321,6 +354,14 @@ def config_line(cfg: ModelConfig) -> str:
     return "config|" + json.dumps(cfg.canonical(), sort_keys=True)
 
 
+def tensor_hash(name: str, data: np.ndarray) -> tuple[str, list[str]]:
+    """A tensor's manifest hash and leaves: sha256 of its bytes, or for stacked experts of its per-expert hashes."""
+    if is_expert_tensor(name):
+        leaves = [hashlib.sha256(row.data).hexdigest() for row in data.reshape(data.shape[0], -1)]
+        return hashlib.sha256("".join(leaves).encode()).hexdigest(), leaves
+    return hashlib.sha256(np.ascontiguousarray(data).data).hexdigest(), []
+
+
 def _manifest_entries(model: GGUFModel) -> dict[str, tuple[str, list[str]]]:
     """One line per tensor: name|type|shape|sha256; for stacked experts the hash is over per-expert hashes.
 
@@ -340,13 +381,7 @@ def _manifest_entries(model: GGUFModel) -> dict[str, tuple[str, list[str]]]:
             pass
     entries = []
     for name, t in model.tensors.items():
-        data = model.raw(name)
-        leaves: list[str] = []
-        if _is_expert_tensor(name):
-            leaves = [hashlib.sha256(row.data).hexdigest() for row in data.reshape(data.shape[0], -1)]
-            h = hashlib.sha256("".join(leaves).encode()).hexdigest()
-        else:
-            h = hashlib.sha256(data.data).hexdigest()
+        h, leaves = tensor_hash(name, model.raw(name))
         shape = "x".join(str(x) for x in model.shape(name))
         entries.append((name, f"{name}|{t.tensor_type.name}|{shape}|{h}", leaves))
     try:

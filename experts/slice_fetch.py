@@ -1,5 +1,9 @@
 """Fetching a slice from peers, sans-IO: what to fetch, from whom, and whether what arrived is the model's.
 
+Expert slices come expert by expert; dense and head slices tensor by tensor (whole, as "expert 0"), the head's
+tokenizer keys as one blob named ``@tokenizer``: a whole piece's hash is its manifest line, so no holder's leaves
+are needed for it, and a holder's SliceInfo listing a whole tensor with that one leaf is how it says it serves it.
+
 The trust root is the model digest alone. A holder's manifest is used only if it hashes to that digest; a tensor's
 per-expert leaves only if they hash to the manifest's line for it; an expert's bytes only if they hash to its leaf.
 So a holder can waste our time but never put a byte of another model into the slice: a bad expert drops that holder
@@ -18,14 +22,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import gguf
 import numpy as np
 import structlog
 
 from .config import ModelConfig
 from .errors import SliceError
 from .gguf_model import ExpertRange, config_from_line, expert_tensor_names, model_digest
-from .slices import SliceTensor, write_slice_file
+from .parts import TOKENIZER_ITEM, Manifest, Part, TensorLine, block_of, fields_from_blob, parse_manifest, part_names
+from .slices import SliceTensor, write_part_file, write_slice_file
 
 log = structlog.get_logger("experts.slice_fetch")
 MAX_STRIKES = 3  # timeouts or refusals before a holder is dropped (one bad piece drops it at once)
@@ -37,84 +41,114 @@ class OutsideModel(SliceError):
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """One expert's rows of one stacked tensor: the unit fetched, verified and staged."""
+    """The unit fetched, verified and staged: one expert's rows of one stacked tensor, or (*whole*) a dense or head
+    slice's tensor (or the tokenizer blob), asked for as expert 0."""
 
     name: str
-    layer: int
+    layer: int  # -1: a model-wide tensor or the tokenizer blob
     expert: int
     nbytes: int
-    leaf: str  # its sha256, from the verified leaves
+    leaf: str  # its sha256, from the verified leaves (a whole tensor: its manifest line)
+    whole: bool = False
 
 
 @dataclass
 class SliceLayout:
-    """The slice (layers x experts) of the model named by *digest*, as far as a verified manifest says."""
+    """The slice (layers x experts, or a dense or head *part*) of the model named by *digest*, as far as a verified
+    manifest says."""
 
     digest: str
     cfg: ModelConfig
     manifest: list[str]
     layers: range
-    experts: ExpertRange
+    experts: ExpertRange | None  # None: a dense or head slice
+    part: Part = Part.EXPERTS
     tensors: dict[str, SliceTensor] = field(default_factory=dict)  # filled by accept_leaves, in slice order
-    _lines: dict[str, tuple[gguf.GGMLQuantizationType, tuple[int, ...], str]] = field(default_factory=dict, repr=False)
+    _parsed: Manifest | None = field(default=None, repr=False)
 
     @classmethod
-    def from_manifest(cls, digest: str, manifest: Iterable[str], layers: range, experts: ExpertRange) -> SliceLayout:
+    def from_manifest(cls, digest: str, manifest: Iterable[str], layers: range, experts: ExpertRange | None, part: Part = Part.EXPERTS) -> SliceLayout:
         """SliceError unless *manifest* is the one *digest* names and the range is inside the model."""
         manifest = list(manifest)
         if model_digest(manifest) != digest:
             raise SliceError(f"the manifest does not hash to model {digest[:16]}... (a holder of another model, or forged)")
-        cfg = config_from_line(manifest[0])
-        lines = {}
-        for line in manifest[1:]:
-            name, qtype, shape, h = line.split("|")
-            lines[name] = (gguf.GGMLQuantizationType[qtype], tuple(int(x) for x in shape.split("x")), h)
+        parsed = parse_manifest(manifest)
+        cfg = config_from_line(parsed.config_line)
+        if part is Part.HEAD:
+            return cls(digest, cfg, manifest, range(0), None, part, _parsed=parsed)
         if not layers or layers.start < 0 or layers.stop > cfg.n_layer:
             raise OutsideModel(f"layers {layers.start}-{layers.stop - 1} are out of bounds: the model has layers 0-{cfg.n_layer - 1}")
-        if experts.stop > cfg.n_expert:
+        if part is Part.DENSE:
+            return cls(digest, cfg, manifest, layers, None, part, _parsed=parsed)
+        if experts is None or experts.stop > cfg.n_expert:
             raise OutsideModel(f"experts {experts} are out of bounds: the model has experts 0-{cfg.n_expert - 1}")
         if not any(cfg.is_moe(i) for i in layers):
             raise OutsideModel(f"layers {layers.start}-{layers.stop - 1} are all dense (no experts)")
-        return cls(digest, cfg, manifest, layers, experts, _lines=lines)
+        return cls(digest, cfg, manifest, layers, experts, part, _parsed=parsed)
 
     @classmethod
     def whole(cls, digest: str, manifest: Iterable[str]) -> SliceLayout:
         """Every layer and expert of the model (its shape and sizes, before a part of it is chosen)."""
         manifest = list(manifest)
-        cfg = config_from_line(manifest[0]) if manifest else None
-        if cfg is None or model_digest(manifest) != digest:
+        if not manifest or model_digest(manifest) != digest:
             raise SliceError(f"the manifest does not hash to model {digest[:16]}... (a holder of another model, or forged)")
+        cfg = config_from_line(manifest[0])
         return cls.from_manifest(digest, manifest, range(cfg.n_layer), ExpertRange(0, cfg.n_expert))
+
+    @property
+    def _lines(self) -> dict[str, TensorLine]:
+        assert self._parsed is not None
+        return self._parsed.tensors
 
     def expert_nbytes(self, layer: int) -> int:
         """Bytes of one expert of *layer* (its rows of every stacked tensor), as the manifest's types and shapes say."""
-        return sum(int(np.prod(gguf.quant_shape_to_byte_shape(shape, qtype)[1:])) for name in expert_tensor_names(self.cfg, self._lines.__contains__, layer) for qtype, shape, _ in [self._lines[name]])
+        return sum(self._lines[name].nbytes // self._lines[name].shape[0] for name in expert_tensor_names(self.cfg, self._lines.__contains__, layer))
 
     @property
     def names(self) -> list[str]:
-        """The slice's tensors in file order (the order :func:`experts.slices.write_slice` writes them)."""
+        """The slice's tensors in file order (the order :func:`experts.slices.write_slice` or
+        :func:`experts.slices.write_part_slice` writes them)."""
+        if self.part is not Part.EXPERTS:
+            return part_names(self.part, self._lines, self.layers)
         return [n for i in filter(self.cfg.is_moe, self.layers) for n in expert_tensor_names(self.cfg, self._lines.__contains__, i)]
+
+    def whole_leaf(self, name: str) -> str | None:
+        """The hash a holder advertising *name* whole must give (a dense or head slice's tensor, the tokenizer blob)."""
+        if self.part is Part.EXPERTS:
+            return None
+        assert self._parsed is not None
+        if name == TOKENIZER_ITEM:
+            return self._parsed.tokenizer_sha256 if self.part is Part.HEAD else None
+        return self._lines[name].sha256 if name in self.names else None
 
     def accept_leaves(self, name: str, leaves: Iterable[str]) -> bool:
         """Keep *leaves* for tensor *name* if they are the manifest's (False: not a slice tensor, or forged)."""
         leaves = list(leaves)
+        if self.part is not Part.EXPERTS:
+            return (want := self.whole_leaf(name)) is not None and leaves == [want]
         line = self._lines.get(name)
-        if line is None or name not in self.names or hashlib.sha256("".join(leaves).encode()).hexdigest() != line[2]:
+        if line is None or name not in self.names or hashlib.sha256("".join(leaves).encode()).hexdigest() != line.sha256:
             return False
-        qtype, shape, _ = line
-        if len(leaves) != shape[0]:
+        if len(leaves) != line.shape[0]:
             return False
-        self.tensors.setdefault(name, SliceTensor(name, qtype, shape, leaves))
+        self.tensors.setdefault(name, SliceTensor(name, line.qtype, line.shape, leaves))
         return True
 
     @property
     def missing_leaves(self) -> list[str]:
-        return [n for n in self.names if n not in self.tensors]
+        return [n for n in self.names if n not in self.tensors] if self.part is Part.EXPERTS else []
 
     def items(self) -> list[ExpertRows]:
-        """Every (tensor, expert) the slice needs; all leaves must be known."""
+        """Every (tensor, expert) the slice needs (all leaves must be known), or every whole tensor."""
+        if self.part is not Part.EXPERTS:
+            assert self._parsed is not None
+            whole = [ExpertRows(n, _layer_or_none(n), 0, self._lines[n].nbytes, self._lines[n].sha256, True) for n in self.names]
+            if self.part is Part.HEAD:
+                whole.append(ExpertRows(TOKENIZER_ITEM, -1, 0, self._parsed.tokenizer_nbytes, self._parsed.tokenizer_sha256, True))
+            return whole
         if missing := self.missing_leaves:
             raise SliceError(f"no holder gave valid leaves for {missing[0]} (and {len(missing) - 1} more tensors)")
+        assert self.experts is not None
         return [
             ExpertRows(n, int(n.split(".")[1]), e, self.tensors[n].expert_nbytes, self.tensors[n].leaves[e])
             for n in self.names
@@ -122,16 +156,31 @@ class SliceLayout:
         ]
 
     def write(self, out: Path, staging: Staging) -> Path:
-        """Write the slice from the staged experts (each re-read from its verified file)."""
-        tensors = []
-        for name in self.names:
-            t = self.tensors[name]
-            rows = np.stack([staging.read(t.leaves[e], t.expert_nbytes) for e in range(self.experts.start, self.experts.stop)])
-            tensors.append((t, rows))
+        """Write the slice from the staged pieces (each re-read from its verified file)."""
         tmp = out.with_name(out.name + ".tmp")
-        write_slice_file(tmp, self.cfg, self.manifest, self.layers, self.experts, tensors)
+        if self.part is not Part.EXPERTS:
+            tensors = [(n, self._lines[n], staging.read(self._lines[n].sha256, self._lines[n].nbytes)) for n in self.names]
+            tokenizer = None
+            if self.part is Part.HEAD:
+                assert self._parsed is not None
+                tokenizer = fields_from_blob(staging.read(self._parsed.tokenizer_sha256, self._parsed.tokenizer_nbytes).tobytes())
+            write_part_file(tmp, self.cfg, self.manifest, self.part, self.layers, tensors, tokenizer)
+        else:
+            assert self.experts is not None
+            experts = self.experts
+            parts = []
+            for name in self.names:
+                t = self.tensors[name]
+                rows = np.stack([staging.read(t.leaves[e], t.expert_nbytes) for e in range(experts.start, experts.stop)])
+                parts.append((t, rows))
+            write_slice_file(tmp, self.cfg, self.manifest, self.layers, experts, parts)
         os.replace(tmp, out)
         return out
+
+
+def _layer_or_none(name: str) -> int:
+    layer = block_of(name)
+    return -1 if layer is None else layer
 
 
 class Staging:
@@ -177,14 +226,17 @@ class Staging:
 
 @dataclass
 class Holder:
-    """A peer that says it serves (layers x experts) of the model, as its SliceInfo says."""
+    """A peer that says it serves (layers x experts) of the model, and these *whole* tensors, as its SliceInfo says."""
 
     peer: str
     layers: range
     experts: range
     strikes: int = 0
+    whole: frozenset[str] = frozenset()
 
     def has(self, item: ExpertRows) -> bool:
+        if item.whole:
+            return item.name in self.whole
         return item.layer in self.layers and item.expert in self.experts
 
 

@@ -1,11 +1,13 @@
-"""Expert slices: cut (layers x expert range) out of a model, prove where it came from, compute it (reference).
+"""Slices: cut a part of a model out of it, prove where it came from, compute its experts (reference).
 
-A slice file is a GGUF holding only the stacked expert tensors of its layers,
+An expert slice is a GGUF holding only the stacked expert tensors of its layers,
 cut along ne[2] to its expert range, in the original quantization (bytes copied,
 never re-quantized), plus ``moeswarm.slice.*`` metadata: the source model's digest,
 its manifest (one line per tensor) and the per-expert hashes of the sliced tensors.
-Loading re-derives the model digest from the manifest and checks every expert's
-bytes against its hash, so a slice cannot claim a model it was not cut from.
+A dense slice holds the other tensors of its layers whole, a head slice the embeddings,
+output head and tokenizer keys (:mod:`experts.parts` says which tensor goes where).
+Checking re-derives the model digest from the manifest and every expert's (or whole
+tensor's) bytes against its hash, so a slice cannot claim a model it was not cut from.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import structlog
 
 from .config import ModelConfig
 from .errors import SliceError
-from .gguf_model import SLICE_PREFIX, ExpertRange, GGUFModel, config_line, model_digest
+from .gguf_model import SLICE_PREFIX, ExpertRange, GGUFModel, config_line, model_digest, tensor_hash
 from .kernels.reference import ReferenceKernel
 from .model_writer import add_hparams
 from .moe import Biases, ExpertSource, Glu, Progress
+from .parts import Manifest, Part, TensorLine, TokenizerField, add_tokenizer_fields, parse_manifest, part_names, tokenizer_fields, tokenizer_line
 
 log = structlog.get_logger("experts.slices")
 
@@ -103,9 +106,48 @@ def write_slice_file(out: str | Path, cfg: ModelConfig, manifest: list[str], lay
     return Path(out)
 
 
+def write_part_slice(model: GGUFModel, part: Part, layers: range = range(0), out: str | Path = "", *, progress_bar: bool = False) -> Path:
+    """Write the dense slice of *layers*, or the head slice, of a full model to *out* (tensors whole, bytes copied)."""
+    if model.is_slice:
+        raise SliceError(f"{model.path} is already a slice; cut slices from the full model")
+    cfg = model.cfg
+    if part is Part.DENSE and (layers.start < 0 or layers.stop > cfg.n_layer or not layers):
+        raise SliceError(f"layers {layers.start}-{layers.stop - 1} are out of bounds: the model has layers 0-{cfg.n_layer - 1}")
+    manifest = model.manifest
+    lines = parse_manifest(manifest).tensors
+    tensors = [(name, lines[name], model.raw(name)) for name in part_names(part, model.tensors, layers)]
+    tokenizer = tokenizer_fields(model.reader) if part is Part.HEAD else None
+    return write_part_file(out, cfg, manifest, part, layers, tensors, tokenizer, progress_bar=progress_bar)
+
+
+def write_part_file(out: str | Path, cfg: ModelConfig, manifest: list[str], part: Part, layers: range, tensors: Sequence[tuple[str, TensorLine, np.ndarray]], tokenizer: Sequence[TokenizerField] | None, *, progress_bar: bool = False) -> Path:
+    """The one writer of dense and head slices: from a full model's map (:func:`write_part_slice`) or from tensors
+    fetched and verified (:mod:`experts.slice_fetch`), so both give the same bytes."""
+    w = gguf.GGUFWriter(str(out), cfg.arch)
+    add_hparams(w, cfg)
+    p = SLICE_PREFIX
+    w.add_string(p + "model_digest", model_digest(manifest))
+    w.add_string(p + "kind", part.value)
+    if part is Part.DENSE:
+        w.add_uint32(p + "layer_start", layers.start)
+        w.add_uint32(p + "layer_stop", layers.stop)
+    w.add_array(p + "manifest", manifest)
+    w.add_string(p + "leaves", "{}")
+    if tokenizer is not None:
+        add_tokenizer_fields(w, tokenizer)
+    for name, line, data in tensors:
+        byte_shape = gguf.quant_shape_to_byte_shape(line.shape, line.qtype)
+        w.add_tensor(name, np.ascontiguousarray(data).reshape(byte_shape), raw_shape=byte_shape, raw_dtype=line.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=progress_bar)
+    w.close()
+    return Path(out)
+
+
 def check_slice(sl: GGUFModel, expected_digest: str | None = None, progress: Progress | None = None) -> None:
     """Prove the slice's bytes belong to the model it names (and, if given, that this is *expected_digest*);
-    *progress* hears after each layer."""
+    *progress* hears after each layer (each tensor of a dense or head slice)."""
     info = sl.slice
     if info is None:
         raise SliceError(f"{sl.path} is not a slice file")
@@ -116,9 +158,13 @@ def check_slice(sl: GGUFModel, expected_digest: str | None = None, progress: Pro
         )
     if model_digest(info.manifest) != info.model_digest:
         raise SliceError(f"slice {sl.path}: its manifest does not hash to the model digest it claims (tampered metadata)")
-    if info.manifest[0] != config_line(sl.cfg):
+    manifest = parse_manifest(info.manifest)
+    if manifest.config_line != config_line(sl.cfg):
         raise SliceError(f"slice {sl.path}: its hyper-parameters differ from those of model {info.model_digest[:16]}...")
-    manifest_hash = {line.split("|")[0]: line.split("|")[3] for line in info.manifest[1:]}
+    if info.kind is not Part.EXPERTS:
+        _check_whole(sl, manifest, progress)
+        return
+    manifest_hash = {name: line.sha256 for name, line in manifest.tensors.items()}
     for done, i in enumerate(sl.moe_layers, 1):
         for name in sl.expert_tensors(i):
             leaves = info.leaves.get(name)
@@ -129,6 +175,27 @@ def check_slice(sl: GGUFModel, expected_digest: str | None = None, progress: Pro
                     raise SliceError(f"slice {sl.path}: expert {e} of {name} does not match the model's bytes")
         if progress:
             progress(done, len(sl.moe_layers))
+
+
+def _check_whole(sl: GGUFModel, manifest: Manifest, progress: Progress | None) -> None:
+    """A dense or head slice: every tensor the manifest has of its part (an optional one the model has included), each
+    whole and the model's bytes, and for a head slice the model's tokenizer keys."""
+    info = sl.slice
+    assert info is not None
+    model = f"model {info.model_digest[:16]}..."
+    if info.kind is Part.DENSE and (not info.layers or info.layers.stop > sl.cfg.n_layer):
+        raise SliceError(f"slice {sl.path}: layers {info.layers.start}-{info.layers.stop - 1} are not trunk layers of {model}")
+    names = part_names(info.kind, manifest.tensors, info.layers)  # GGUFModel refused any other tensor at open
+    if missing := [n for n in names if n not in sl.tensors]:
+        raise SliceError(f"slice {sl.path} lacks tensor {missing[0]} of {model}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for done, name in enumerate(names, 1):
+        line = manifest.tensors[name]
+        if sl.qtype(name) != line.qtype or sl.shape(name) != line.shape or tensor_hash(name, sl.raw(name))[0] != line.sha256:
+            raise SliceError(f"slice {sl.path}: tensor {name} does not match the bytes of {model}")
+        if progress:
+            progress(done, len(names))
+    if info.kind is Part.HEAD and tokenizer_line(sl.tokenizer_blob) != info.manifest[1]:
+        raise SliceError(f"slice {sl.path}: its tokenizer metadata is not that of {model}")
 
 
 def hosted_part(model: GGUFModel, layers: range | None, experts: ExpertRange | None) -> tuple[range, ExpertRange]:

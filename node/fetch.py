@@ -22,6 +22,7 @@ import structlog
 
 from experts.errors import MoeSwarmError, SliceError
 from experts.gguf_model import ExpertRange
+from experts.parts import TOKENIZER_ITEM, Part
 from experts.slice_fetch import ExpertRows, FetchPlan, Holder, OutsideModel, SliceLayout, Staging
 from node.backbone.routing import Host
 from node.outbound import connector_on
@@ -38,13 +39,16 @@ from relay.client import RelaySettings
 log = structlog.get_logger("node.fetch")
 PER_HOLDER = 2  # experts asked of one holder at once (a worker admits 4 piece requests per peer by default)
 BUSY_BACKOFF_S = 0.5  # after an OVERLOADED answer, before asking that holder again
+# Records exist per MoE layer; a dense or head fetch also asks the holders of the first layers, since any worker
+# holding the full model serves every whole tensor whatever layers it hosts.
+WHOLE_LOOKUP_LAYERS = range(4)
 
 
 @dataclass(frozen=True)
 class FetchOptions:
     model_digest: str
-    layers: range
-    experts: ExpertRange
+    layers: range  # a head fetch: ignored
+    experts: ExpertRange | None  # None for a dense or head fetch
     out: Path
     bootstrap: Sequence[str]
     dht_listen: str = "127.0.0.1:0"
@@ -53,6 +57,19 @@ class FetchOptions:
     timeout: float = 30.0  # seconds one piece may take
     per_holder: int = PER_HOLDER
     relay: RelaySettings = RelaySettings()  # how links to NAT-bound holders' relays trust wss:// and keep alive
+    part: Part = Part.EXPERTS
+
+    @property
+    def lookup_layers(self) -> list[int]:
+        """The layers whose records name the holders to ask."""
+        if self.part is Part.EXPERTS:
+            return list(self.layers)
+        return sorted(set(WHOLE_LOOKUP_LAYERS) | (set(self.layers) if self.part is Part.DENSE else set()))
+
+    def describe(self) -> str:
+        if self.part is Part.HEAD:
+            return "the head"
+        return f"{'dense weights of ' if self.part is Part.DENSE else ''}layers {self.layers.start}-{self.layers.stop - 1}"
 
 
 @dataclass
@@ -143,9 +160,9 @@ class FetchSession:
     async def fetch(self, opts: FetchOptions, progress: Callable[[int, int], None] | None = None) -> FetchResult:
         """Fetch the slice into ``opts.out`` (resuming from ``OUT.parts/``); SliceError if no set of holders covers it."""
         t0 = time.perf_counter()
-        peers = slice_holders(await self.lookup(opts.model_digest, opts.layers))
+        peers = slice_holders(await self.lookup(opts.model_digest, opts.lookup_layers))
         if not peers:
-            raise SliceError(f"no worker on the DHT serves slices of model {opts.model_digest[:16]}... for layers {opts.layers.start}-{opts.layers.stop - 1}")
+            raise SliceError(f"no worker on the DHT serves slices of model {opts.model_digest[:16]}... for {opts.describe()}")
         fetch = _Fetch(self, opts, peers, progress)
         layout, infos = await fetch.layout()
         items = layout.items()
@@ -154,15 +171,15 @@ class FetchSession:
         plan = FetchPlan(items, done=set(done))
         resumed = plan.done_bytes
         log.info("fetch.started", model=opts.model_digest[:16], holders=len(infos), experts=len(items), total_mb=round(plan.total_bytes / 1e6, 2), resumed_mb=round(resumed / 1e6, 2))
-        for peer, info in infos.items():
-            plan.add_holder(Holder(peer, range(*info.layers), range(*info.experts)))
+        for peer, (info, whole) in infos.items():
+            plan.add_holder(Holder(peer, range(*info.layers), range(*info.experts), whole=whole))
         if progress:
             progress(plan.done_bytes, plan.total_bytes)
         t_transfer = time.perf_counter()
         await asyncio.gather(*(fetch.lane(peer, plan, staging) for peer in list(plan.holders) for _ in range(opts.per_holder)))
         if not plan.finished:
             missing = plan.stuck()
-            what = f"expert {missing.expert} of {missing.name}" if missing else "some experts"
+            what = (f"tensor {missing.name}" if missing.whole else f"expert {missing.expert} of {missing.name}") if missing else "some experts"
             raise SliceError(f"no live holder serves {what}; dropped holders: {plan.dropped or 'none'}. Run fetch again to resume")
         transfer = time.perf_counter() - t_transfer
         await asyncio.to_thread(layout.write, opts.out, staging)
@@ -185,11 +202,12 @@ class _Fetch:
     async def ask(self, peer: str, msg: wire.SliceInfoRequest | wire.PieceRequest) -> tuple[wire.Message, PathKind]:
         return await self.session.ask(self.peers[peer], msg, self.opts.timeout)
 
-    async def layout(self) -> tuple[SliceLayout, dict[str, wire.SliceInfo]]:
-        """The layout from the first manifest that hashes to the digest, and the holders whose info checks out."""
+    async def layout(self) -> tuple[SliceLayout, dict[str, tuple[wire.SliceInfo, frozenset[str]]]]:
+        """The layout from the first manifest that hashes to the digest, and the holders whose info checks out (each
+        with the whole tensors it advertises that the slice needs)."""
         peers = list(self.peers)
         answers = await asyncio.gather(*(self.ask(p, wire.SliceInfoRequest(self.model_id)) for p in peers), return_exceptions=True)
-        infos: dict[str, wire.SliceInfo] = {}
+        infos: dict[str, tuple[wire.SliceInfo, frozenset[str]]] = {}
         layout = None
         for peer, asked in zip(peers, answers, strict=True):
             answer = asked[0] if isinstance(asked, tuple) else asked
@@ -198,7 +216,7 @@ class _Fetch:
                 continue
             if layout is None:
                 try:
-                    layout = SliceLayout.from_manifest(self.opts.model_digest, answer.manifest, self.opts.layers, self.opts.experts)
+                    layout = SliceLayout.from_manifest(self.opts.model_digest, answer.manifest, self.opts.layers, self.opts.experts, self.opts.part)
                 except OutsideModel:
                     raise  # the request is wrong, not the holder (its manifest is the digest's)
                 except SliceError as exc:
@@ -207,8 +225,9 @@ class _Fetch:
             elif answer.manifest != tuple(layout.manifest):
                 log.warning("fetch.holder_dropped", peer=peer, reason="its manifest is not the model's")
                 continue
-            if all(layout.accept_leaves(name, leaves) for name, leaves in answer.leaves if name in layout.names):
-                infos[peer] = answer
+            wanted = [(name, leaves) for name, leaves in answer.leaves if name in layout.names or (name == TOKENIZER_ITEM and layout.part is Part.HEAD)]
+            if all(layout.accept_leaves(name, leaves) for name, leaves in wanted):
+                infos[peer] = (answer, frozenset(name for name, _ in wanted) if layout.part is not Part.EXPERTS else frozenset())
             else:
                 log.warning("fetch.holder_dropped", peer=peer, reason="its leaves do not hash to the model's manifest")
         if layout is None:

@@ -107,7 +107,7 @@ async def _fetch_part(session: FetchSession, digest: str, home: Path, budget: in
         shape = model_shape(whole)
         coverage = coverage_of(shape, await session.lookup(digest, shape.moe_layers))
         unit = max(whole.expert_nbytes(layer) for layer in shape.moe_layers)  # one expert of the largest layer
-        part = choose_part(host_counts(coverage, shape.moe_layers), range(whole.cfg.n_layer), whole.experts, unit, budget)
+        part = choose_part(host_counts(coverage, shape.moe_layers), range(whole.cfg.n_layer), ExpertRange(0, whole.cfg.n_expert), unit, budget)
         size = sum(whole.expert_nbytes(layer) for layer in part.layers if whole.cfg.is_moe(layer)) * len(part.experts)
         click.echo(f"swarm: {len(coverage.peers)} hosts; least covered: {part.describe()} ({part.hosts_before} hosts); fetching them: {size / MB:.1f} MB of the {budget / MB:.1f} MB this worker may use", err=True)
         out = home / f"{digest[:16]}-layers{part.layers.start}-{part.layers.stop - 1}-experts{part.experts.start}-{part.experts.stop - 1}.gguf"

@@ -10,8 +10,9 @@ from experts.codecs import Codec
 from experts.delta_net import CHECKPOINT_EVERY
 from experts.errors import UsageError
 from experts.gguf_model import ExpertRange, GGUFModel
+from experts.parts import Part
 from experts.random_model import SUPPORTED_QTYPES, random_config, write_random_model
-from experts.slices import check_slice, parse_range, write_slice
+from experts.slices import check_slice, parse_range, write_part_slice, write_slice
 from node.cli import progress
 from node.cli.options import KERNEL_NAMES, kernel_options, open_kernel, parse_size
 from node.cli.root import emit_json
@@ -19,20 +20,34 @@ from node.cli.root import emit_json
 
 @click.command("slice")
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--layers", required=True, help="Layer range, e.g. 0-3.")
-@click.option("--experts", "experts_", required=True, help="Expert range, e.g. 0-31.")
+@click.option("--layers", default=None, help="Layer range, e.g. 0-3 (an expert or dense slice).")
+@click.option("--experts", "experts_", default=None, help="Expert range, e.g. 0-31 (an expert slice).")
+@click.option("--dense", is_flag=True, help="Cut the dense weights of --layers instead (attention, norms, router, shared expert: all but the routed experts), for a stage.")
+@click.option("--head", is_flag=True, help="Cut the embeddings, output norm, output head and tokenizer instead, for a client.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
-def slice_cmd(model: str, layers: str, experts_: str, output: str) -> None:
-    """Write a self-contained slice (these layers x these experts) of MODEL."""
+def slice_cmd(model: str, layers: str | None, experts_: str | None, dense: bool, head: bool, output: str) -> None:
+    """Write a self-contained slice of MODEL: these layers x these experts, the dense weights of these layers
+    (--dense), or the head (--head); each provable against the model's digest."""
+    part = Part.HEAD if head else Part.DENSE if dense else Part.EXPERTS
+    if dense and head:
+        raise UsageError("give one of --dense and --head")
+    if (part is Part.HEAD) != (layers is None) or (part is Part.EXPERTS) != (experts_ is not None):
+        raise UsageError({Part.EXPERTS: "an expert slice needs --layers and --experts", Part.DENSE: "--dense needs --layers and takes no --experts", Part.HEAD: "--head takes neither --layers nor --experts"}[part])
     m = GGUFModel(model)
-    lr = parse_range(layers, m.cfg.n_layer, "layer")
-    er = parse_range(experts_, m.cfg.n_expert, "expert")
+    lr = parse_range(layers, m.cfg.n_layer, "layer") if layers is not None else range(0)
     with progress.bars(progress.wanted()) as shown:
-        out = write_slice(m, lr, ExpertRange(er.start, er.stop), output, progress_bar=shown is not None)
+        if part is Part.EXPERTS:
+            assert experts_ is not None
+            er = parse_range(experts_, m.cfg.n_expert, "expert")
+            out = write_slice(m, lr, ExpertRange(er.start, er.stop), output, progress_bar=shown is not None)
+            what = f"layers {layers}, experts {experts_}"
+        else:
+            out = write_part_slice(m, part, lr, output, progress_bar=shown is not None)
+            what = "the head" if part is Part.HEAD else f"dense weights of layers {layers}"
         sl = GGUFModel(out)
         check_slice(sl, m.digest, progress.stage(shown, "checking the slice"))
     size = out.stat().st_size
-    click.echo(f"wrote {out}: layers {layers}, experts {experts_} of model {m.digest[:16]}... ({size / 1e6:.1f} MB of {m.path.stat().st_size / 1e6:.1f} MB)")
+    click.echo(f"wrote {out}: {what} of model {m.digest[:16]}... ({size / 1e6:.1f} MB of {m.path.stat().st_size / 1e6:.1f} MB)")
 
 
 @click.command("verify")
@@ -90,6 +105,15 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
         check_slice(m, GGUFModel(against).digest if against else None)
     elif against:
         raise UsageError(f"{model} is a full model, not a slice; --against only applies to slices")
+    if m.kind in (Part.DENSE, Part.HEAD):  # no experts to plan for: what it holds, and whose it is
+        what = "the head" if m.kind is Part.HEAD else f"dense weights of layers {m.layers.start}-{m.layers.stop - 1}"
+        nbytes = sum(int(t.n_bytes) for t in m.tensors.values())
+        if as_json:
+            emit_json({"path": str(m.path), "model_digest": m.digest, "slice": True, "kind": str(m.kind), "layers": list(m.layers), "tensors": sorted(m.tensors), "tensor_bytes": nbytes})
+        else:
+            click.echo(f"{m.path.name}: {m.kind} slice of model {m.digest[:16]}..., {m.cfg.arch}, {what}: {len(m.tensors)} tensors, {nbytes / 1e6:.1f} MB")
+            click.echo(f"digest {m.digest}")
+        return
     lr = parse_range(layers, m.cfg.n_layer, "layer") if layers else m.layers
     er = parse_range(experts_, m.cfg.n_expert, "expert") if experts_ else None
     hosted = ExpertRange(er.start, er.stop) if er else m.experts

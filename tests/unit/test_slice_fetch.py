@@ -8,8 +8,9 @@ import pytest
 from experts.embedded import EMBEDDED_MODEL
 from experts.errors import SliceError
 from experts.gguf_model import ExpertRange, GGUFModel
+from experts.parts import TOKENIZER_ITEM, Part, part_names
 from experts.slice_fetch import FetchPlan, Holder, OutsideModel, SliceLayout, Staging
-from experts.slices import write_slice
+from experts.slices import check_slice, write_part_slice, write_slice
 
 MODEL = GGUFModel(EMBEDDED_MODEL)
 LAYERS, EXPERTS = range(1, 3), ExpertRange(2, 6)
@@ -104,3 +105,44 @@ def test_the_whole_model_from_its_manifest_sizes_experts_as_the_file_does(model_
         assert whole.expert_nbytes(layer) == packed_bytes(m, range(layer, layer + 1), ExpertRange(0, 1)) > 0
     with pytest.raises(SliceError, match="does not hash to model"):
         SliceLayout.whole(MODEL.digest, m.manifest)
+
+
+def whole_bytes(item) -> bytes:
+    """What an honest full-model holder sends for a whole piece (a tensor, or the tokenizer blob)."""
+    return MODEL.tokenizer_blob if item.name == TOKENIZER_ITEM else MODEL.raw(item.name).tobytes()
+
+
+@pytest.mark.parametrize(("part", "layers"), [(Part.DENSE, range(1, 3)), (Part.HEAD, range(0))])
+def test_a_fetched_dense_or_head_slice_equals_the_cut(tmp_path, part, layers):
+    """Whole tensors (and the head's tokenizer blob) planned from the manifest alone, each checked against its line,
+    then written: byte for byte `moeswarm slice --dense/--head`; a holder's forged hash is not taken as an offer."""
+    lay = SliceLayout.from_manifest(MODEL.digest, MODEL.manifest, layers, None, part)
+    items = lay.items()
+    assert {i.name for i in items} == set(part_names(part, MODEL.tensors, layers)) | ({TOKENIZER_ITEM} if part is Part.HEAD else set())
+    assert all(i.whole and i.expert == 0 for i in items) and not lay.missing_leaves
+    name = items[0].name
+    assert lay.accept_leaves(name, [items[0].leaf]) and not lay.accept_leaves(name, ["0" * 64])
+    assert not lay.accept_leaves("blk.0.ffn_up_exps.weight", MODEL.leaves["blk.0.ffn_up_exps.weight"])  # not a whole tensor of it
+    plan = FetchPlan(items)
+    plan.add_holder(Holder("liar", range(0, 4), range(0, 32), whole=frozenset(i.name for i in items)))
+    plan.add_holder(Holder("experts-only", range(0, 4), range(0, 32)))  # an expert slice's holder: none of these
+    first = plan.take("liar")
+    assert first is not None and plan.take("experts-only") is None
+    assert not plan.received("liar", first, b"\0" * first.nbytes) and "liar" in plan.dropped
+    assert plan.stuck() is not None
+    plan.add_holder(Holder("h", range(0, 4), range(0, 32), whole=frozenset(i.name for i in items)))
+    staging = Staging(tmp_path / "s.gguf.parts")
+    while (item := plan.take("h")) is not None:
+        data = whole_bytes(item)
+        assert plan.received("h", item, data)
+        staging.write(item, data)
+    assert plan.finished
+    out = lay.write(tmp_path / "s.gguf", staging)
+    cut = write_part_slice(MODEL, part, layers, tmp_path / "cut.gguf")
+    assert out.read_bytes() == cut.read_bytes()
+    check_slice(GGUFModel(out), MODEL.digest)
+
+
+def test_a_dense_range_outside_the_trunk_is_the_requests_fault():
+    with pytest.raises(OutsideModel, match="out of bounds"):
+        SliceLayout.from_manifest(MODEL.digest, MODEL.manifest, range(2, 40), None, Part.DENSE)

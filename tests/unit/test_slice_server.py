@@ -9,6 +9,7 @@ import pytest
 
 from experts.embedded import EMBEDDED_MODEL
 from experts.gguf_model import ExpertRange, GGUFModel, model_digest
+from experts.parts import TOKENIZER_ITEM, is_expert_tensor, parse_manifest
 from experts.slices import ExpertStore, write_slice
 from node.worker.service import Worker
 from node.worker.slice_server import SliceBusy, SliceLimits, SliceRefused, SliceServer
@@ -36,12 +37,19 @@ def server(**limits) -> SliceServer:
 
 
 def test_info_names_the_hosted_part_and_proves_nothing_itself():
-    """The info carries the model's manifest (it hashes to the digest) and the leaves of the hosted tensors only."""
+    """The info carries the model's manifest (it hashes to the digest), the leaves of the hosted expert tensors only,
+    and (the full file holds them) every whole tensor and the tokenizer blob with its one manifest hash."""
     info = server().info(wire.SliceInfoRequest(MID))
     assert (info.layers, info.experts) == ((1, 3), (4, 8))
     assert model_digest(list(info.manifest)) == MODEL.digest
-    assert {name for name, _ in info.leaves} == {n for i in (1, 2) for n in MODEL.expert_tensors(i)}
+    stacked = {name for name, leaves in info.leaves if name in MODEL.leaves}
+    assert stacked == {n for i in (1, 2) for n in MODEL.expert_tensors(i)}
     assert dict(info.leaves)[UP] == tuple(MODEL.leaves[UP])
+    lines = parse_manifest(list(info.manifest))
+    whole = {name: leaves for name, leaves in info.leaves if name not in MODEL.leaves}
+    assert set(whole) == {n for n in MODEL.tensors if not is_expert_tensor(n)} | {TOKENIZER_ITEM}
+    assert whole["token_embd.weight"] == (lines.tensors["token_embd.weight"].sha256,)
+    assert whole[TOKENIZER_ITEM] == (lines.tokenizer_sha256,)
 
 
 def test_a_slice_file_serves_its_model_manifest(tmp_path):
@@ -50,6 +58,7 @@ def test_a_slice_file_serves_its_model_manifest(tmp_path):
     info = SliceServer(sl, range(1, 3), range(4, 8)).info(wire.SliceInfoRequest(MID))
     assert model_digest(list(info.manifest)) == MODEL.digest
     assert dict(info.leaves)[UP] == tuple(MODEL.leaves[UP])
+    assert all(name in MODEL.leaves for name, _ in info.leaves)  # an expert slice holds no whole tensor
 
 
 @on_loop
@@ -63,11 +72,29 @@ async def test_pieces_are_the_original_bytes():
     assert s.bytes_served == len(rows)
 
 
+@on_loop
+async def test_whole_tensors_and_the_tokenizer_blob_are_the_original_bytes(tmp_path):
+    """A full file serves any non-expert tensor whole (as expert 0) and the tokenizer blob; an expert slice neither."""
+    s = server()
+    embd = MODEL.raw("token_embd.weight").tobytes()
+    first = await s.piece(PEER, wire.PieceRequest(MID, "token_embd.weight", 0, 0, 4096))
+    rest = await s.piece(PEER, wire.PieceRequest(MID, "token_embd.weight", 0, 4096, wire.MAX_PIECE))
+    assert first.data + rest.data == embd
+    blob = await s.piece(PEER, wire.PieceRequest(MID, TOKENIZER_ITEM, 0, 0, wire.MAX_PIECE))
+    assert blob.data == MODEL.tokenizer_blob
+    norm = await s.piece(PEER, wire.PieceRequest(MID, "blk.3.attn_norm.weight", 0, 0, wire.MAX_PIECE))  # not a hosted layer: the file has it
+    assert norm.data == MODEL.raw("blk.3.attn_norm.weight").tobytes()
+    sl = GGUFModel(write_slice(MODEL, range(1, 3), ExpertRange(4, 8), tmp_path / "s.gguf"))
+    with pytest.raises(SliceRefused, match="nor a tensor this file holds whole"):
+        await SliceServer(sl, range(1, 3), range(4, 8)).piece(PEER, wire.PieceRequest(MID, "token_embd.weight", 0, 0, 10))
+
+
 @pytest.mark.parametrize(
     ("req", "match"),
     [
         (wire.PieceRequest(MID, "blk.0.ffn_up_exps.weight", 5, 0, 10), "not a stacked expert tensor hosted"),
-        (wire.PieceRequest(MID, "token_embd.weight", 5, 0, 10), "not a stacked expert tensor hosted"),
+        (wire.PieceRequest(MID, "token_embd.weight", 5, 0, 10), "served whole: ask for expert 0"),
+        (wire.PieceRequest(MID, "blk.9.attn_norm.weight", 0, 0, 10), "nor a tensor this file holds whole"),
         (wire.PieceRequest(MID, UP, 8, 0, 10), "expert 8 is not hosted"),
         (wire.PieceRequest(bytes(16), UP, 5, 0, 10), "serves slices of model"),
         (wire.PieceRequest(MID, UP, 5, 1 << 30, 10), "past the expert"),
