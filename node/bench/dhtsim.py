@@ -131,6 +131,7 @@ class SimNet:
         self.opts, self.rng = opts, rng
         self.peers: dict[Any, SimPeer] = {}  # every node ever, by libp2p id
         self.messages = 0
+        self.lookup_messages = 0  # sent by a node while it runs a measured lookup
         self.upkeep_messages = 0
         self.counting_upkeep = False
         self.mu = math.log(opts.rtt_ms / 2000.0)
@@ -149,7 +150,9 @@ class SimNet:
         The answer is read from the remote's state when the request is sent and delivered a round trip later
         (one timer per RPC instead of two: the states differ by milliseconds)."""
         self.messages += 1
-        if self.counting_upkeep and not src.in_lookup:
+        if src.in_lookup:
+            self.lookup_messages += 1
+        elif self.counting_upkeep:
             self.upkeep_messages += 1
         peer = self.peers.get(dst)
         if peer is None or not peer.alive or peer.client:
@@ -384,7 +387,7 @@ async def _lookups(swarm: Swarm, n: int) -> dict:
     """n lookups from random live nodes, one at a time; each scored against the live hosts that finished announcing."""
     found: list[float] = []
     all_found, rounds, dead, worst = 0, [], 0, {}
-    before = swarm.net.messages
+    before = swarm.net.lookup_messages
     for _ in range(n):
         peer = swarm.rng.choice(swarm.live)
         layer = swarm.rng.randrange(swarm.opts.layers)
@@ -409,7 +412,7 @@ async def _lookups(swarm: Swarm, n: int) -> dict:
         "lookups": len(found),
         "found_fraction": {"mean": round(statistics.fmean(found), 4), "min": round(min(found), 4), "all_found": round(all_found / len(found), 4)},
         "rounds": {"median": statistics.median(rounds), "p90": sorted(rounds)[int(0.9 * (len(rounds) - 1))], "max": max(rounds)},
-        "messages_per_lookup": round((swarm.net.messages - before) / len(found), 1),
+        "messages_per_lookup": round((swarm.net.lookup_messages - before) / len(found), 1),
         "dead_hosts_named": dead,
         "worst": worst,  # the lookup that found the least: from whom, and whether its provider walks named the hosts
     }
