@@ -50,13 +50,12 @@ def cached_model(n_layer: int, shape: dict | None = None, qtype: str = QTYPE) ->
     path = moeswarm_home() / "models" / name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".writing-", suffix=".gguf", delete=False) as tmp:
-            pass
+        tmp = path.with_name(f".writing-{os.getpid()}-{path.name}")
         try:
-            write_random_model(tmp.name, random_config(n_layer=n_layer, **shape), qtype=gguf.GGMLQuantizationType[qtype])
-            os.replace(tmp.name, path)
+            write_random_model(tmp, random_config(n_layer=n_layer, **shape), qtype=gguf.GGMLQuantizationType[qtype])
+            os.replace(tmp, path)
         finally:
-            Path(tmp.name).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
     return path
 
 
