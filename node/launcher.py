@@ -19,6 +19,8 @@ from pathlib import Path
 
 from experts.errors import MoeSwarmError
 
+LOOPBACK_DATAGRAM = 16384  # a swarm all on loopback: large QUIC datagrams cut per-packet cost (docs/FIELD-NOTES.md)
+
 
 class LaunchError(MoeSwarmError):
     """A node process exited or did not become ready in time; the message quotes its log."""

@@ -32,10 +32,9 @@ from experts.random_model import random_config, write_random_model
 from experts.tokenizer import Tokenizer
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bench.common import BenchmarkError, overhead_ms_p50
-from node.launcher import Cluster, start_local_swarm
+from node.launcher import LOOPBACK_DATAGRAM, Cluster, start_local_swarm
 from p2p.identity import Identity
 
-LOOPBACK_DATAGRAM = 16384  # as the demo: everything is on loopback (docs/FIELD-NOTES.md)
 # The default swarm: a Qwen3-30B-A3B-like router (64 experts, top-8) at half its width, 12 MoE layers.
 SHAPE = dict(arch="qwen3moe", n_embd=1024, n_head=16, n_head_kv=4, n_expert=64, n_expert_used=8, n_ff_exp=512)
 QTYPE = "Q4_K"

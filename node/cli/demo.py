@@ -29,12 +29,10 @@ from node.backbone.session import backbone_session, wait_for_hosts
 from node.cli.options import kernel_options, open_kernel
 from node.cli.root import emit_json
 from node.cli.streaming import stream_tokens
-from node.launcher import Cluster, start_local_swarm
+from node.launcher import LOOPBACK_DATAGRAM, Cluster, start_local_swarm
 from node.ledger.store import FILENAME
 from node.runtime import data_dir, load_identity
 from p2p.identity import Identity
-
-LOOPBACK_DATAGRAM = 16384  # everything runs on loopback: large QUIC datagrams cut per-packet cost (docs/FIELD-NOTES.md)
 
 
 @click.command("demo")
