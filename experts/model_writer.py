@@ -306,7 +306,7 @@ def write_streamed(
     Why: the header (KV data and every tensor's name, shape, type and offset) depends only on shapes, so it goes
     first and each tensor's bytes follow one at a time: a writer holds one tensor, not the file (a 30B-shaped random
     model is ~7x its file as float32). *data* yields, in plan order, float32 arrays for F32 entries and the packed
-    bytes (uint8, gguf-py's byte shape) for the others. *quantized* picks the file-type key (ALL_F32 or GUESSED).
+    data of the others (any dtype: gguf-py's quantize gives uint8 blocks, float16 for F16), checked by size. *quantized* picks the file-type key (ALL_F32 or GUESSED).
     """
     w = gguf.GGUFWriter(str(path), cfg.arch)
     add_hparams(w, cfg)
@@ -345,10 +345,9 @@ def write_streamed(
         w.write_ti_data_to_file()
         for p in plan:
             arr = next(source, None)
-            want = np.float32 if p.qtype == f32 else np.uint8
-            if arr is None or arr.dtype != want or arr.nbytes != p.nbytes:
+            if arr is None or arr.nbytes != p.nbytes or (p.qtype == f32 and arr.dtype != np.float32):
                 got = "nothing" if arr is None else f"{arr.nbytes} bytes of {arr.dtype}"
-                raise ModelFormatError(f"{p.name}: the header promised {p.nbytes} bytes of {np.dtype(want)} ({p.qtype.name}), the data was {got}")
+                raise ModelFormatError(f"{p.name}: the header promised {p.nbytes} bytes of {p.qtype.name}, the data was {got}")
             w.write_tensor_data(np.ascontiguousarray(arr))
         if next(source, None) is not None:
             raise ModelFormatError(f"more tensor data than the {len(plan)} tensors the header lists")

@@ -28,7 +28,7 @@ def test_chunked_normals_equal_one_draw(monkeypatch):
     assert rng.standard_normal() == ref.standard_normal()  # both streams are at the same place afterwards
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0], ids=lambda q: q.name)
 def test_streamed_random_model_equals_the_whole_model_writer(tmp_path, qtype):
     """write_random_model (streamed) writes the very bytes write_model writes from all tensors in memory."""
     cfg = random_config("qwen3moe", n_layer=2, n_embd=64, n_ff_exp=32)
@@ -63,7 +63,7 @@ def test_short_or_wrong_data_is_refused_and_leaves_no_file(tmp_path):
     cfg = random_config("qwen3moe", n_layer=1, n_embd=64, n_ff_exp=32)
     plan = [PlannedTensor("token_embd.weight", (cfg.n_vocab, 64), Q.F32), PlannedTensor("output_norm.weight", (64,), Q.F32)]
     path = tmp_path / "bad.gguf"
-    with pytest.raises(ModelFormatError, match="output_norm.weight: the header promised 256 bytes"):
+    with pytest.raises(ModelFormatError, match="output_norm.weight: the header promised 256 bytes of F32, the data was 12 bytes"):
         write_streamed(path, cfg, byte_level_tokenizer(), plan, iter([np.zeros((cfg.n_vocab, 64), np.float32), np.zeros(3, np.float32)]), quantized=False)
     assert not path.exists()
     with pytest.raises(ModelFormatError, match="more tensor data"):
