@@ -7,13 +7,15 @@ llama.cpp loads, stacked experts with the expert index outermost (ggml ne[2]).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 from .config import ModelConfig, TokenizerSpec
+from .errors import ModelFormatError
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -34,6 +36,23 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     cfg.spec.add_hparams(w, cfg)
 
 
+@dataclass(frozen=True)
+class PlannedTensor:
+    """What a GGUF header says about a tensor before its bytes exist: a writer streams the data after the header."""
+
+    name: str
+    shape: tuple[int, ...]  # numpy shape of the float tensor (ggml ne reversed)
+    qtype: gguf.GGMLQuantizationType
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        return gguf.quant_shape_to_byte_shape(self.shape, self.qtype)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.byte_shape))
+
+
 def write_model(
     path: str | Path,
     cfg: ModelConfig,
@@ -42,16 +61,41 @@ def write_model(
     *,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     extra_kv: Mapping[str, object] | None = None,
-    raw_tensors: Mapping[str, tuple[bytes | np.ndarray, tuple[int, ...], gguf.GGMLQuantizationType]] | None = None,
 ) -> None:
     """Write *tensors* (float arrays, numpy shapes) quantized to *qtype* where allowed.
 
-    *raw_tensors* carries already-quantized bytes (name -> (data, numpy float shape,
-    type)), which the slice writer uses to copy expert bytes without re-quantizing.
+    Each tensor is quantized as it is written, so the quantized copies never all exist at once.
+    """
+    plan = [PlannedTensor(name, arr.shape, gguf.GGMLQuantizationType.F32 if keeps_f32(name, arr.shape) else qtype) for name, arr in tensors.items()]
+    write_streamed(path, cfg, tokenizer, plan, (pack_tensor(tensors[t.name], t.qtype) for t in plan), quantized=qtype != gguf.GGMLQuantizationType.F32, extra_kv=extra_kv)
+
+
+def pack_tensor(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """*arr* as :func:`write_streamed` takes it: float32, or quantized by gguf-py to *qtype*."""
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    return arr if qtype == gguf.GGMLQuantizationType.F32 else gguf.quantize(arr, qtype)
+
+
+def write_streamed(
+    path: str | Path,
+    cfg: ModelConfig,
+    tokenizer: TokenizerSpec,
+    plan: Sequence[PlannedTensor],
+    data: Iterable[np.ndarray],
+    *,
+    quantized: bool,
+    extra_kv: Mapping[str, object] | None = None,
+) -> None:
+    """Write a GGUF whose tensors are *plan*, pulling each one's data from *data* only when it is written.
+
+    Why: the header (KV data and every tensor's name, shape, type and offset) depends only on shapes, so it goes
+    first and each tensor's bytes follow one at a time: a writer holds one tensor, not the file (a 30B-shaped random
+    model is ~7x its file as float32). *data* yields, in plan order, float32 arrays for F32 entries and the packed
+    data of the others (any dtype: gguf-py's quantize gives uint8 blocks, float16 for F16), checked by size. *quantized* picks the file-type key (ALL_F32 or GUESSED).
     """
     w = gguf.GGUFWriter(str(path), cfg.arch)
     add_hparams(w, cfg)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == gguf.GGMLQuantizationType.F32 else gguf.LlamaFileType.GUESSED)
+    w.add_file_type(gguf.LlamaFileType.GUESSED if quantized else gguf.LlamaFileType.ALL_F32)
 
     t = tokenizer
     w.add_tokenizer_model(t.model)
@@ -73,26 +117,30 @@ def write_model(
     for key, value in {**t.extra, **(extra_kv or {})}.items():
         _add_kv(w, key, value)
 
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if qtype == gguf.GGMLQuantizationType.F32 or keeps_f32(name, arr.shape):
-            w.add_tensor(name, arr)
+    f32 = gguf.GGMLQuantizationType.F32
+    for p in plan:
+        if p.qtype == f32:
+            w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes)
         else:
-            w.add_tensor(name, gguf.quantize(arr, qtype), raw_dtype=qtype)
-    for name, (data, shape, rtype) in (raw_tensors or {}).items():
-        buf = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
-        w.add_tensor(name, buf, raw_shape=_byte_shape(shape, rtype), raw_dtype=rtype)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+            w.add_tensor_info(p.name, p.byte_shape, np.dtype(np.uint8), p.nbytes, raw_dtype=p.qtype)
+    source = iter(data)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for p in plan:
+            arr = next(source, None)
+            if arr is None or arr.nbytes != p.nbytes or (p.qtype == f32 and arr.dtype != np.float32):
+                got = "nothing" if arr is None else f"{arr.nbytes} bytes of {arr.dtype}"
+                raise ModelFormatError(f"{p.name}: the header promised {p.nbytes} bytes of {p.qtype.name}, the data was {got}")
+            w.write_tensor_data(np.ascontiguousarray(arr))
+        if next(source, None) is not None:
+            raise ModelFormatError(f"more tensor data than the {len(plan)} tensors the header lists")
+    except BaseException:
+        w.close()
+        Path(path).unlink(missing_ok=True)  # a truncated file must not pass for a model (also on Ctrl-C)
+        raise
     w.close()
-
-
-def _byte_shape(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> tuple[int, ...]:
-    """gguf-py wants the byte shape of raw (uint8) tensor data: last dim in bytes."""
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    return (*shape[:-1], shape[-1] // block * type_size)
 
 
 def _add_kv(w: gguf.GGUFWriter, key: str, value: object) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 from .archs import arch_spec
 from .config import ModelConfig, TokenizerSpec
 from .errors import ModelFormatError
-from .model_writer import expected_shapes, keeps_f32, write_model
+from .model_writer import PlannedTensor, expected_shapes, keeps_f32, pack_tensor, write_model, write_streamed
 
 Q = gguf.GGMLQuantizationType
 GGUFPY_QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4}
@@ -72,6 +72,10 @@ def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return dict(_random_arrays(cfg, seed))
 
 
+# Normals drawn at a time for a matrix: a fixed 32 MB of float64 scratch, whatever the tensor's size.
+DRAW_CHUNK = 1 << 22
+
+
 def _random_arrays(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
     """``random_tensors`` one tensor at a time, so a writer can pack each before the next exists."""
     rng = np.random.default_rng(seed)
@@ -96,8 +100,24 @@ def _random_arrays(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarra
                 std *= 4.0
             elif name == "token_embd.weight":
                 std = 1.0
-            arr = std * rng.standard_normal(shape)
-        yield name, arr.astype(np.float32)
+            arr = _scaled_normals(rng, shape, std)
+        yield name, np.asarray(arr, dtype=np.float32)
+
+
+def _scaled_normals(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """``(std * rng.standard_normal(shape)).astype(np.float32)`` drawn :data:`DRAW_CHUNK` at a time.
+
+    The same values bit for bit (the generator fills an array in C order, one draw after another, and each product
+    is rounded to float32 once either way), without the tensor's float64 copy and its temporaries: a 128-expert
+    matrix of a 30B-shaped model is 1.6 GB as float64.
+    """
+    out = np.empty(shape, dtype=np.float32)
+    flat = out.reshape(-1)
+    scratch = np.empty(min(DRAW_CHUNK, flat.size))
+    for start in range(0, flat.size, DRAW_CHUNK):
+        n = min(DRAW_CHUNK, flat.size - start)
+        np.multiply(rng.standard_normal(out=scratch[:n]), std, out=flat[start : start + n], casting="same_kind")
+    return out
 
 
 def random_k_blocks(qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
@@ -125,34 +145,57 @@ def write_random_model(
     qtype: gguf.GGMLQuantizationType = Q.F32,
     seed: int = 0,
 ) -> None:
-    """Write a random model; matrices in *qtype* (router, norms and biases stay F32)."""
+    """Write a random model; matrices in *qtype* (router, norms and biases stay F32).
+
+    The file is streamed (:func:`write_streamed`): the process holds one tensor at a time, never the model.
+    """
     if qtype not in SUPPORTED_QTYPES:
         names = ", ".join(sorted(q.name for q in SUPPORTED_QTYPES))
         raise ModelFormatError(f"cannot generate {qtype.name} tensors; choose one of {names}")
     tok = byte_level_tokenizer()
     if len(tok.tokens) != cfg.n_vocab:
         raise ModelFormatError(f"random models use the {len(tok.tokens)}-token byte-level vocabulary, not {cfg.n_vocab}")
-    raw = {}
     if qtype in K_QUANT_SCALES:
-        # Each float tensor is replaced by its blocks before the next is drawn: a 30B-shaped model's
-        # float32 weights (~7x the file) never exist all at once. Same two random streams, same bytes.
-        tensors = {}
+        plan, data = _k_quant_stream(cfg, qtype, seed)
+        # The file-type key says ALL_F32, as K-quant random models always have (so their bytes and digests stay).
+        write_streamed(path, cfg, tok, plan, data, quantized=False)
+        return
+    plan = [PlannedTensor(n, s, Q.F32 if qtype == Q.F32 or keeps_f32(n, s) else qtype) for n, s in expected_shapes(cfg).items()]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    bad = [t for t in plan if t.qtype != Q.F32 and t.shape[-1] % block]
+    if bad:
+        raise ModelFormatError(f"{qtype.name} needs row lengths that are multiples of {block}; {bad[0].name} has {bad[0].shape[-1]}")
+    data = (pack_tensor(arr, t.qtype) for t, (_, arr) in zip(plan, _random_arrays(cfg, seed)))
+    write_streamed(path, cfg, tok, plan, data, quantized=qtype != Q.F32)
+
+
+def _k_quant_stream(cfg: ModelConfig, qtype: gguf.GGMLQuantizationType, seed: int) -> tuple[list[PlannedTensor], Iterator[np.ndarray]]:
+    """A K-quant model's tensors in file order (the F32 ones first, then the packed ones, each in draw order) and
+    their data, made one tensor at a time.
+
+    Each packed tensor's blocks come from their own stream (``seed + 1``) scaled to the std of the float tensor the
+    weight stream (``seed``) draws in its place; those floats are still drawn, since the F32 tensors after them in
+    the weight stream (norms, routers) depend on them: that keeps every random model's bytes. Only the small F32
+    tensors, the stds and fallback-typed tensors are kept until the blocks are written.
+    """
+    kept: dict[str, np.ndarray] = {}
+    packed: list[tuple[PlannedTensor, float | np.ndarray]] = []  # the float tensor's std, or its fallback-type bytes
+    for name, arr in _random_arrays(cfg, seed):
+        if keeps_f32(name, arr.shape):
+            kept[name] = arr
+        elif arr.shape[-1] % K_BLOCK:  # as llama-quantize: a 32-block type (deepseek2's attn_k_b rows are qk_nope wide)
+            packed.append((PlannedTensor(name, arr.shape, K_FALLBACK[qtype]), gguf.quants.quantize(arr, K_FALLBACK[qtype])))
+        else:
+            packed.append((PlannedTensor(name, arr.shape, qtype), float(arr.std())))
+    plan = [PlannedTensor(name, arr.shape, Q.F32) for name, arr in kept.items()] + [t for t, _ in packed]
+
+    def data() -> Iterator[np.ndarray]:
+        yield from kept.values()
         rng = np.random.default_rng(seed + 1)
-        for name, arr in _random_arrays(cfg, seed):
-            if keeps_f32(name, arr.shape):
-                tensors[name] = arr
-            elif arr.shape[-1] % K_BLOCK:  # as llama-quantize: a 32-block type (deepseek2's attn_k_b rows are qk_nope wide)
-                raw[name] = (gguf.quants.quantize(arr, K_FALLBACK[qtype]), arr.shape, K_FALLBACK[qtype])
-            else:
-                raw[name] = (random_k_blocks(qtype, arr.shape, float(arr.std()), rng), arr.shape, qtype)
-        qtype = Q.F32
-    else:
-        tensors = random_tensors(cfg, seed)
-        block = gguf.GGML_QUANT_SIZES[qtype][0]
-        bad = [n for n, a in tensors.items() if not keeps_f32(n, a.shape) and a.shape[-1] % block]
-        if bad:
-            raise ModelFormatError(f"{qtype.name} needs row lengths that are multiples of {block}; {bad[0]} has {tensors[bad[0]].shape[-1]}")
-    write_model(path, cfg, tensors, tok, qtype=qtype, raw_tensors=raw)
+        for t, source in packed:
+            yield source if isinstance(source, np.ndarray) else random_k_blocks(t.qtype, t.shape, source, rng)
+
+    return plan, data()
 
 
 def write_restating_mtp_model(path: str | Path, arch: str, *, n_embd: int = 32, n_ff_exp: int = 16, seed: int = 0) -> None:

@@ -13,10 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from experts.errors import MoeSwarmError
+
+LOOPBACK_DATAGRAM = 16384  # a swarm all on loopback: large QUIC datagrams cut per-packet cost (docs/FIELD-NOTES.md)
 
 
 class LaunchError(MoeSwarmError):
@@ -103,3 +106,17 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_local_swarm(cluster: Cluster, model_path: Path, bounds: Sequence[tuple[int, int]], *, kernel: str, max_datagram: int, ready_timeout: float = 60.0) -> tuple[dict, list[dict]]:
+    """A DHT bootstrap node and one worker per ``(first, stop)`` expert range of *bounds*, on loopback, each worker
+    with one compute thread; returns the bootstrap's and the workers' ready records.
+
+    Shared by ``moeswarm demo`` and ``moeswarm bench swarm``, so the benchmark measures the swarm the demo shows."""
+    boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()
+    addr = boot["dht_addrs"][0]
+    procs = [
+        cluster.start(f"worker{i}", "worker", "--model", str(model_path), "--experts", f"{a}-{b - 1}", "--bootstrap", addr, "--max-datagram", str(max_datagram), "--kernel", kernel, "--threads", "1")
+        for i, (a, b) in enumerate(bounds)
+    ]
+    return boot, [p.wait_ready(ready_timeout) for p in procs]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -25,6 +26,13 @@ def median_time(fn, repeat: int) -> float:
         fn()
         samples.append(time.perf_counter() - t)
     return float(np.median(samples))
+
+
+def overhead_ms_p50(records: Iterable) -> float:
+    """p50 over answered dispatches (probes aside) of round trip minus the worker's own reported time: what a
+    dispatch costs beyond the work, per dispatch rather than as a difference of two medians."""
+    gaps = [r.latency_ms - r.worker_ms for r in records if r.ok and not r.probe]
+    return round(float(np.median(gaps)), 3) if gaps else 0.0
 
 
 def message_bytes(d: int, k: int, n_tokens: int = 1) -> dict:

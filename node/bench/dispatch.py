@@ -20,12 +20,12 @@ from experts.moe import Partition, grouped_moe
 from experts.random_model import random_config, write_random_model
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.backbone.spotcheck import DEFAULT_SPOT_CHECK
-from node.bench.common import REFERENCE, message_bytes, udp_round_trip_floor
+from node.bench.common import REFERENCE, message_bytes, overhead_ms_p50, udp_round_trip_floor
 from node.launcher import Cluster
 from p2p.identity import Identity
 
 
-def gap_breakdown(local_tps: float, remote_tps: float, stats: dict, n_layer: int, floor: dict) -> dict:
+def gap_breakdown(local_tps: float, remote_tps: float, stats: dict, n_layer: int, floor: dict, overhead_ms: float) -> dict:
     """Where the remote path's extra time per token goes: the round trip minus the worker's own time is transport
     (QUIC, the thread hops between the forward and the event loop, framing); the worker's time minus the same compute
     done locally is its decode/encode/sign and queueing. Beside it: the overhead per dispatch that a ratio of 0.95
@@ -39,6 +39,7 @@ def gap_breakdown(local_tps: float, remote_tps: float, stats: dict, n_layer: int
         "round_trip_ms_p50": rtt,
         "worker_ms_p50": worker,
         "transport_ms_p50": round(rtt - worker, 3),
+        "overhead_ms_p50": overhead_ms,  # per dispatch: round trip minus the worker's time (`overhead_ms_p50`)
         "budget_ms_per_layer_at_0.95": round(1e3 / local_tps * (1 / 0.95 - 1) / n_layer, 3),
         **floor,
     }
@@ -93,9 +94,9 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
                         remote.append(await asyncio.to_thread(decode, bare.hook))
                         remote_ledger.append(await asyncio.to_thread(decode, booked.hook))
                         remote_checked.append(await asyncio.to_thread(decode, checked.hook))
-                    return local, remote, remote_ledger, remote_checked, bare.stats.summary(), checked.checker.summary()
+                    return local, remote, remote_ledger, remote_checked, bare.stats.summary(), checked.checker.summary(), overhead_ms_p50(bare.stats.records)
 
-            local, remote, remote_ledger, remote_checked, stats, checks = asyncio.run(interleaved())
+            local, remote, remote_ledger, remote_checked, stats, checks, overhead_ms = asyncio.run(interleaved())
         sizes = message_bytes(cfg.n_embd, cfg.n_expert_used)["partial_f32"]
         floor = udp_round_trip_floor(int(sizes["out"]), int(sizes["back"]))
         local_tps = float(np.median([tps for _, tps in local]))
@@ -114,6 +115,6 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
                        "cost_pct": round(100 * (1 - checked_tps / remote_tps), 2), "checked": checks["checked"], "caught": checks["caught"]},
         "identical": all(t == local[0][0] for t, _ in local + remote + remote_ledger + remote_checked),
         "rtt_ms": stats["rtt_ms"],
-        "gap": gap_breakdown(local_tps, remote_tps, stats, n_layer, floor),
+        "gap": gap_breakdown(local_tps, remote_tps, stats, n_layer, floor, overhead_ms),
     }
     return result

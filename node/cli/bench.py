@@ -125,6 +125,31 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
     publish(result, "moeswarm bench dispatch --json", write_md=write_md, as_json=as_json, lines=lines)
 
 
+@bench_group.command("swarm")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--model", "model_path", type=click.Path(dir_okay=False, exists=True), default=None, help="GGUF model (default: a random qwen3moe, hidden 1024, 64 experts top-8, FFN 512, Q4_K, cached under $MOESWARM_HOME/models).")
+@click.option("--workers", "n_workers", default=2, show_default=True, type=click.IntRange(1), help="Worker processes; each holds an equal share of every layer's experts.")
+@click.option("--layers", "n_layer", default=None, type=click.IntRange(1), help="Layers of the default random model (12 unless given; not with --model).")
+@click.option("--tokens", "n_tokens", default=16, show_default=True, type=click.IntRange(1), help="Decode steps timed per path per round.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1), help="Alternating local/swarm rounds; medians are reported.")
+@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
+def bench_swarm(as_json: bool, model_path: str | None, n_workers: int, n_layer: int | None, n_tokens: int, rounds: int, write_md: str | None) -> None:
+    """A local swarm of real processes (the demo's) vs the same model decoding alone: tokens/s, identical output, where a dispatch's time goes."""
+    from node.bench import swarm
+
+    if model_path and n_layer is not None:
+        raise click.UsageError("--layers shapes the default random model; a --model file has its own layers")
+    path = Path(model_path) if model_path else swarm.cached_model(n_layer or 12)
+    r = swarm.run(path, n_workers, n_tokens, rounds)
+    d = r["decode"]
+    lines = [f"{r['moe_layers']} MoE layers, {n_workers} workers: local {d['local_tps']} tokens/s, swarm {d['swarm_tps']} tokens/s, ratio {d['ratio']}; identical {r['identical']}",
+             f"per dispatch p50: round trip {r['rtt_ms_p50']} ms, worker {r['worker_ms_p50']} ms, overhead {r['overhead_ms_p50']} ms; load {r['load']['start'][0]} -> {r['load']['end'][0]}"]  # fmt: skip
+    command = f"moeswarm bench swarm --json --workers {n_workers} --tokens {n_tokens} --rounds {rounds}" + (f" --model {model_path}" if model_path else f" --layers {n_layer or 12}")
+    publish(r, command, write_md=write_md, as_json=as_json, lines=lines)
+    if not r["identical"]:
+        raise SystemExit(1)
+
+
 @bench_group.command("dht")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--nodes", "n_nodes", default=200, show_default=True, type=click.IntRange(4), help="Real py-libp2p DHT nodes on loopback.")

@@ -29,12 +29,10 @@ from node.backbone.session import backbone_session, wait_for_hosts
 from node.cli.options import kernel_options, open_kernel
 from node.cli.root import emit_json
 from node.cli.streaming import stream_tokens
-from node.launcher import Cluster
+from node.launcher import LOOPBACK_DATAGRAM, Cluster, start_local_swarm
 from node.ledger.store import FILENAME
 from node.runtime import data_dir, load_identity
 from p2p.identity import Identity
-
-LOOPBACK_DATAGRAM = 16384  # everything runs on loopback: large QUIC datagrams cut per-packet cost (docs/FIELD-NOTES.md)
 
 
 @click.command("demo")
@@ -55,11 +53,9 @@ def demo_cmd(model_path: str, prompt: str, n_tokens: int, n_workers: int, wire: 
     with Cluster(root) as cluster:
         say = (lambda *a: None) if as_json else click.echo
         say(f"model {model.path.name}: {model.cfg.arch}, {model.cfg.n_layer} MoE layers, {model.cfg.n_expert} experts top-{model.cfg.n_expert_used}, digest {model.digest[:16]}...")
-        boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()
+        boot, workers = start_local_swarm(cluster, model.path, part.bounds, kernel=kernel_name, max_datagram=LOOPBACK_DATAGRAM)
         addr = boot["dht_addrs"][0]
         say(f"bootstrap {boot['peer_id']} at {addr}")
-        procs = [cluster.start(f"worker{i}", "worker", "--model", str(model.path), "--experts", f"{a}-{b - 1}", "--bootstrap", addr, "--max-datagram", str(LOOPBACK_DATAGRAM), "--kernel", kernel_name, "--threads", "1") for i, (a, b) in enumerate(part.bounds)]
-        workers = [p.wait_ready() for p in procs]
         for w, (a, b) in zip(workers, part.bounds):
             say(f"worker {w['peer_id']} at {w['quic_addr']}: experts {a}-{b - 1} of every layer ({w['load']}, kernel {w['kernel']})")
         backbone_home = data_dir(str(root / "backbone"), "backbone")
