@@ -156,7 +156,7 @@ def _import_libp2p() -> SimpleNamespace:
             if verdict.admission is Admission.DISPLACED:
                 peer_log.info("dht.provider_displaced", key=key.hex()[:16], peer=peer, dropped=str(verdict.dropped))
             elif not verdict.stored:
-                peer_log.info("dht.provider_refused", key=key.hex()[:16], peer=peer, reason=verdict.admission.value)
+                peer_log.info("dht.provider_refused", per=verdict.admission.value, key=key.hex()[:16], peer=peer, reason=verdict.admission.value)
 
         def get_providers(self, key: bytes) -> list[Any]:
             return self.slots.providers(key, self._clock())

@@ -33,17 +33,19 @@ class ThrottledLog:
         self._timer_loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.RLock()  # flush runs inside _emit, hence reentrant
 
-    def debug(self, event: str, **fields: Any) -> None:
-        self._emit("debug", event, fields)
+    # ``per``: a few distinct causes of one event (an enum's value) each get their own window, summarised as
+    # ``of=EVENT/PER``, so a flood of one cause cannot hide the first line of another.
+    def debug(self, event: str, *, per: str = "", **fields: Any) -> None:
+        self._emit("debug", event, per, fields)
 
-    def info(self, event: str, **fields: Any) -> None:
-        self._emit("info", event, fields)
+    def info(self, event: str, *, per: str = "", **fields: Any) -> None:
+        self._emit("info", event, per, fields)
 
-    def warning(self, event: str, **fields: Any) -> None:
-        self._emit("warning", event, fields)
+    def warning(self, event: str, *, per: str = "", **fields: Any) -> None:
+        self._emit("warning", event, per, fields)
 
-    def error(self, event: str, **fields: Any) -> None:
-        self._emit("error", event, fields)
+    def error(self, event: str, *, per: str = "", **fields: Any) -> None:
+        self._emit("error", event, per, fields)
 
     def flush(self) -> None:
         """Write the summaries of every interval that has ended."""
@@ -62,11 +64,12 @@ class ThrottledLog:
         for s in summaries:
             getattr(self.log, self._levels.get(s.key, "info"))(SUMMARY_EVENT, of=s.key, suppressed=s.suppressed, seconds=s.seconds)
 
-    def _emit(self, level: str, event: str, fields: dict[str, Any]) -> None:
+    def _emit(self, level: str, event: str, per: str, fields: dict[str, Any]) -> None:
+        key = f"{event}/{per}" if per else event
         with self._lock:
             self.flush()
-            self._levels[event] = level
-            if self.rate.admit(event, self._now()):
+            self._levels[key] = level
+            if self.rate.admit(key, self._now()):
                 getattr(self.log, level)(event, **fields)
             self._arm()
 

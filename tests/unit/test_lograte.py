@@ -80,6 +80,18 @@ def test_the_edge_writes_a_few_lines_and_a_summary_at_the_events_level():
     assert len(rec.lines) == 4
 
 
+def test_each_cause_of_an_event_has_its_own_window():
+    """A flood refused for one reason does not hide the first line of another reason of the same event."""
+    rec = Recorder()
+    log = ThrottledLog(rec, interval=10.0, burst=1, clock=lambda: 0.0)
+    for _ in range(100):
+        log.info("dht.provider_refused", per="peer_limit", reason="peer_limit")
+    log.info("dht.provider_refused", per="group_full", reason="group_full")
+    assert [line[2]["reason"] for line in rec.lines] == ["peer_limit", "group_full"]
+    log.close()
+    assert rec.lines[2] == ("info", SUMMARY_EVENT, {"of": "dht.provider_refused/peer_limit", "suppressed": 99, "seconds": 0.0})
+
+
 def test_in_a_loop_the_summary_comes_by_itself_when_the_interval_ends():
     """No later event and no flush: the loop's timer writes the summary once the (short) interval ended."""
     rec = Recorder()
