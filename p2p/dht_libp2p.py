@@ -19,10 +19,13 @@ from typing import Any
 import structlog
 import trio
 
+from p2p.lograte_edge import ThrottledLog
 from p2p.records import HostRecord, ModelShape, RecordError, expires_at_of, select_best, signer_of, validate
 from p2p.slots import Admission, OwnerQuota, ProviderSlots, address_group
 
 log = structlog.get_logger("p2p.dht")
+# What any DHT peer can make a node refuse at will; used from the DHT's trio thread only (one ThrottledLog, one thread).
+peer_log = ThrottledLog(log)
 
 
 def reattach_libp2p_logger() -> None:
@@ -91,7 +94,7 @@ def _import_libp2p() -> SimpleNamespace:
                 if isinstance(record, HostRecord) and (shape := self._models.get(record.hosted.model_digest)):
                     shape.check(record)
             except RecordError as exc:
-                log.info("dht.record_rejected", key=key[:60], error=type(exc).__name__, reason=str(exc))
+                peer_log.info("dht.record_rejected", key=key[:60], error=type(exc).__name__, reason=str(exc))
                 raise
 
         def select(self, key: str, values: list[bytes]) -> int:
@@ -122,7 +125,7 @@ def _import_libp2p() -> SimpleNamespace:
                 return True  # not ours to judge here: the validator refuses such values before they get here
             if self.quota.admit(signer, key, self.store):
                 return True
-            log.info("dht.record_refused", key=key[:60], reason="signer_limit", peer=str(signer))
+            peer_log.info("dht.record_refused", key=key[:60], reason="signer_limit", peer=str(signer))
             return False
 
         def _clamp(self, key: bytes) -> None:
@@ -151,9 +154,9 @@ def _import_libp2p() -> SimpleNamespace:
             peer = str(provider.peer_id)
             verdict = self.slots.offer(key, peer, self._group_of(provider.peer_id), provider, self._clock())
             if verdict.admission is Admission.DISPLACED:
-                log.info("dht.provider_displaced", key=key.hex()[:16], peer=peer, dropped=str(verdict.dropped))
+                peer_log.info("dht.provider_displaced", key=key.hex()[:16], peer=peer, dropped=str(verdict.dropped))
             elif not verdict.stored:
-                log.info("dht.provider_refused", key=key.hex()[:16], peer=peer, reason=verdict.admission.value)
+                peer_log.info("dht.provider_refused", per=verdict.admission.value, key=key.hex()[:16], peer=peer, reason=verdict.admission.value)
 
         def get_providers(self, key: bytes) -> list[Any]:
             return self.slots.providers(key, self._clock())

@@ -22,6 +22,7 @@ import structlog
 
 from experts.errors import MoeSwarmError
 from p2p.identity import Identity, PeerId
+from p2p.lograte_edge import ThrottledLog
 from p2p.records import (
     MAX_LIFETIME,
     HelperRecord,
@@ -36,6 +37,7 @@ from p2p.records import (
 )
 
 log = structlog.get_logger(__name__)
+peer_log = ThrottledLog(log)  # records anyone can sign and publish: a few lines per interval, then a count
 
 
 class DiscoveryError(MoeSwarmError):
@@ -81,7 +83,7 @@ def live_hosts(
             try:
                 shape.check(record)
             except RecordError as exc:
-                log.info("discovery.record_refused", peer=str(record.peer_id), reason=str(exc))
+                peer_log.info("discovery.record_refused", peer=str(record.peer_id), reason=str(exc))
                 continue
         held = newest.get(record.peer_id)
         if held is None or (record.seq, record.expires_at) > (held.seq, held.expires_at):

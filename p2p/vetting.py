@@ -38,6 +38,7 @@ from p2p.backoff import Backoff
 from p2p.connector import Connector
 from p2p.discovery import Discovery
 from p2p.identity import PeerId
+from p2p.lograte_edge import ThrottledLog
 from p2p.quic_errors import TransportError
 from p2p.records import HostedSlice, HostRecord
 from p2p.slots import address_group
@@ -167,7 +168,9 @@ class VettedDiscovery:
     ) -> None:
         self._inner, self._probe, self._probe_timeout, self._clock = inner, probe, probe_timeout, clock
         self.vetting = vetting if vetting is not None else HostVetting()
+        self._peer_log = ThrottledLog(log)  # sybils that never answer: a few lines per interval, then a count
         self.served = served
+        self.pinged: Callable[[PeerId, float], None] = lambda peer, rtt_ms: None  # told each answered ping's round trip
 
     async def announce(self, slices: Sequence[HostedSlice]) -> None:
         await self._inner.announce(slices)
@@ -193,15 +196,18 @@ class VettedDiscovery:
 
     async def _ping(self, record: HostRecord) -> None:
         """Ping one host and record the outcome (concurrent lookups of a layer may both ping it: harmless)."""
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(self._probe_timeout):
                 await self._probe(record)
         except (TransportError, RemoteProtocolError, TimeoutError) as exc:
-            log.info("discovery.host_unverified", peer=str(record.peer_id), addr=record.hosted.quic_addr, error=repr(exc))
+            self._peer_log.info("discovery.host_unverified", peer=str(record.peer_id), addr=record.hosted.quic_addr, error=repr(exc))
             self.vetting.probed(record.peer_id, False, self._clock())
             return
-        log.debug("discovery.host_verified", peer=str(record.peer_id), addr=record.hosted.quic_addr)
+        rtt_ms = (time.perf_counter() - started) * 1e3
+        log.debug("discovery.host_verified", peer=str(record.peer_id), addr=record.hosted.quic_addr, rtt_ms=round(rtt_ms, 3))
         self.vetting.probed(record.peer_id, True, self._clock())
+        self.pinged(record.peer_id, rtt_ms)
 
 
 def ping_probe(connector: Connector, clock: Callable[[], float] = time.time) -> Probe:

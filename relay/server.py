@@ -38,6 +38,7 @@ from websockets.typing import Subprotocol
 
 from experts.errors import UsageError
 from p2p.identity import Identity, PeerId
+from p2p.lograte_edge import ThrottledLog
 
 from .admission import Admission
 from .protocol import MAX_FRAME, NONCE_SIZE, SUBPROTOCOL, PeerGone, Pong, RecvPacket
@@ -120,6 +121,7 @@ class RelayServer:
         self._queued_total = 0
         self._admission = Admission(self.limits.max_clients, self.limits.max_per_ip)
         self._server: Server | None = None
+        self._peer_log = ThrottledLog(log)  # what unauthenticated peers trigger: a few lines, then a count
 
     async def start(self, host: str, port: int, *, tls: ssl.SSLContext | None = None) -> None:
         """Listen on (host, port); port 0 picks a free port (see ``address`` and ``url``)."""
@@ -144,12 +146,12 @@ class RelayServer:
         log.info("relay.listening", url=self.url, relay=str(self.peer_id))
 
     async def close(self) -> None:
-        """Stop accepting and close every connection."""
-        if self._server is None:
-            return
-        server, self._server = self._server, None
-        server.close()
-        await server.wait_closed()
+        """Stop accepting and close every connection, then write the pending log summaries."""
+        if self._server is not None:
+            server, self._server = self._server, None
+            server.close()
+            await server.wait_closed()
+        self._peer_log.close()
 
     def clients(self) -> list[PeerId]:
         """The authenticated peers now connected."""
@@ -175,7 +177,7 @@ class RelayServer:
 
     def _refused(self, ws: ServerConnection, reason: str) -> None:
         self.stats.refused += 1
-        log.warning("relay.refused", remote=_remote(ws), reason=reason)
+        self._peer_log.warning("relay.refused", remote=_remote(ws), reason=reason)
 
     # --- one connection -----------------------------------------------------------------------------------------
 
@@ -190,7 +192,7 @@ class RelayServer:
             return
         for victim in verdict.evict:
             assert isinstance(victim, _Client)
-            log.info("relay.evicted", remote=_remote(victim.ws), reason="unauthenticated, room needed for a newcomer")
+            self._peer_log.info("relay.evicted", remote=_remote(victim.ws), reason="unauthenticated, room needed for a newcomer")
             self._apply(victim, victim.session.close("evicted: not authenticated, and the relay needed the room"))
         self._conns.add(client)
         client.tasks = [loop.create_task(self._write(client)), loop.create_task(self._keep_alive(client))]
@@ -245,7 +247,7 @@ class RelayServer:
         client.queued_bytes = 0
         if client.peer is None:
             if client.closed_by_relay:  # a bad signature, a violation or a timeout before authentication
-                log.warning("relay.refused", remote=_remote(client.ws), reason=client.close_reason)
+                self._peer_log.warning("relay.refused", remote=_remote(client.ws), reason=client.close_reason)
                 self.stats.refused += 1
             return
         if self._clients.get(client.peer) is client:

@@ -32,7 +32,14 @@ A probe is a real dispatch of the group in hand, sent alongside the local
 compute that answers it: a host cannot tell a probe from work, and its answer
 (with its receipt) arrives after the token moved on. Each dispatch waits at
 most :meth:`Router.deadline`: a multiple of what the host's measured round trips
-predict, never longer than the configured timeout (which an unmeasured host gets).
+predict, never longer than the configured timeout.
+
+A host never dispatched to is not waited on blind: the vetting ping (:mod:`p2p.vetting`) that let it into the routes
+measured its network round trip (:meth:`Router.pinged`), and a backbone that holds the experts itself assumes
+``UNMEASURED_COMPUTE_MS`` per token for it (``Router.unmeasured_compute_ms``), so the first dispatch to a silent or
+slow sole host waits about the probe's second (``DEADLINE_FLOOR_S``), not the full timeout, and the group is
+computed locally. A backbone without the experts (``--remote-experts-only``) leaves the prior off: it has no local
+answer to fall back on, so a slow first prefill is better waited for than cut short.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ DEADLINE_MARGIN_S = 0.25  # ... plus this (scheduling noise on either side) ...
 DEADLINE_FLOOR_S = 1.0  # ... and never less than this, nor more than the configured timeout
 HEDGE_K = 2.0  # with hedging on, a second replica is asked once the first took this many times its predicted round trip
 HEDGE_FLOOR_S = 0.005  # ... but not sooner (a loopback round trip predicts ~1 ms; scheduling noise is larger)
+UNMEASURED_COMPUTE_MS = 10.0  # per token, assumed for a pinged host that never answered a dispatch (see the docstring)
 SIMILAR_RTT = 1.25  # replicas whose expected waits differ by less than this factor compete on price
 
 
@@ -150,6 +158,7 @@ class Router:
     max_price: int | None = None  # hosts asking more per work unit are never used
     routes: dict[int, LayerRoute] = field(default_factory=dict)
     health: dict[PeerId, HostHealth] = field(default_factory=dict)
+    unmeasured_compute_ms: float | None = None  # per token, for a host whose compute was never measured (None: wait the cap)
 
     def update(self, layer: int, records: list[HostRecord]) -> LayerRoute:
         hosts = [h for h in (Host.from_record(r) for r in records) if h is not None]
@@ -198,11 +207,18 @@ class Router:
         predicted_s = self._predicted_s(peer, n_tokens)
         return None if predicted_s is None else max(HEDGE_FLOOR_S, HEDGE_K * predicted_s)
 
+    def pinged(self, peer: PeerId, rtt_ms: float) -> None:
+        """*peer* answered a vetting ping in *rtt_ms*: its network round trip, until dispatches measure it."""
+        h = self.health.setdefault(peer, HostHealth())
+        if h.dispatches == 0:
+            h.rtt_ms = rtt_ms
+
     def _predicted_s(self, peer: PeerId, n_tokens: int) -> float | None:
         h = self.health[peer]
-        if h.rtt_ms is None or h.compute_ms_per_token is None:
+        compute_ms = h.compute_ms_per_token if h.compute_ms_per_token is not None else self.unmeasured_compute_ms
+        if h.rtt_ms is None or compute_ms is None:
             return None
-        return (h.rtt_ms + n_tokens * h.compute_ms_per_token) / 1e3
+        return (h.rtt_ms + n_tokens * compute_ms) / 1e3
 
     def _ranked(self, group_hosts: list[Host], now: float, prefer: PeerId | None) -> list[Host]:
         hosts = [h for h in group_hosts if self.health[h.peer_id].banned_until <= now]
@@ -232,7 +248,7 @@ class Router:
         h.benched_until = 0.0
         h.demoted = h.probing = False
         h.dispatches += 1
-        h.rtt_ms = _ewma(h.rtt_ms, rtt_ms)
+        h.rtt_ms = _ewma(h.rtt_ms if h.dispatches > 1 else None, rtt_ms)  # the first answer replaces the ping's RTT
         h.compute_ms_per_token = _ewma(h.compute_ms_per_token, compute_ms / max(n_tokens, 1))
 
     def ban(self, peer: PeerId, now: float, seconds: float) -> None:

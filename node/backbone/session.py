@@ -19,7 +19,7 @@ from experts.hosting import open_experts
 from experts.kernels import Kernel
 from node.backbone.dispatch import RemoteMoE
 from node.backbone.hot import HotExperts
-from node.backbone.routing import ROUTE_REFRESH_S
+from node.backbone.routing import ROUTE_REFRESH_S, UNMEASURED_COMPUTE_MS
 from node.backbone.spotcheck import DEFAULT_SPOT_CHECK
 from node.ledger.sink import LedgerSink
 from node.outbound import connector_on
@@ -69,6 +69,9 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         discovery = VettedDiscovery(CachedDiscovery(dht, ttl=30.0), ping_probe(connector))
         moe = RemoteMoE(connector, discovery, model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0] if hold_experts else None, loop=asyncio.get_running_loop(), codec=codec, timeout=timeout, spot_check=spot_check, spot_seed=spot_seed, ledger=ledger, hot=_hot_experts(model, local_experts, local_memory), max_price=max_price, hedge=hedge)
         discovery.served = lambda peer: health.dispatches if (health := moe.router.health.get(peer)) else 0
+        discovery.pinged = moe.router.pinged  # a new host's first deadline from its ping, not the full --timeout
+        if hold_experts:  # a missed first deadline costs a local compute, not an error (routing's docstring)
+            moe.router.unmeasured_compute_ms = UNMEASURED_COMPUTE_MS
         stack.push_async_callback(moe.close)  # probes and hedges, and the last ledger-head swap: before the connector closes
         maintaining = asyncio.create_task(moe.maintain(model.moe_layers, route_refresh))
         maintaining.add_done_callback(_report_crash)

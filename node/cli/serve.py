@@ -17,7 +17,7 @@ from node.backbone.prefix_cache import PrefixCache
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.cli.options import bootstrap_opt, data_dir_opt, drafter_opt, hedge_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, spot_check_opts, timeout_opt
 from node.gateway.engine import Engine
-from node.gateway.server import Gateway
+from node.gateway.server import BODY_TIMEOUT, Gateway
 from node.gateway.summary import Counts, log_summaries
 from node.ledger.store import FILENAME
 from node.runtime import data_dir as node_dir
@@ -36,6 +36,7 @@ log = structlog.get_logger("node.cli.serve")
 @bootstrap_opt
 @click.option("--http", "http_addr", default="127.0.0.1:8000", show_default=True, help="HOST:PORT for the OpenAI-compatible API (port 0: any free port).")
 @click.option("--api-key", default=None, envvar="MOESWARM_API_KEY", show_envvar=True, callback=lambda ctx, param, v: _api_key(v), help="Require 'Authorization: Bearer KEY' (the OpenAI client's api_key) on every path but /healthz and /readyz; 401 otherwise. Prefer the environment variable: a command line is visible to other users.")
+@click.option("--body-timeout", default=BODY_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds for a request body to arrive in full once its headers have; past it HTTP 408 and the connection is closed.")
 @click.option("--served-model-name", default=None, help="Model id clients must ask for (default: the GGUF file's name without .gguf).")
 @click.option("--wire", default="auto", show_default=True, type=click.Choice(["auto", "f32", "f16", "int8"]), help="auto: f16 once `moeswarm verify --wire f16` passed for the model, else f32.")
 @click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts before serving.")
@@ -62,14 +63,14 @@ log = structlog.get_logger("node.cli.serve")
 @relay_opts
 @data_dir_opt
 @ready_opt
-def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, summary_s, no_speculative, drafter, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, spot_seed, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
+def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, body_timeout, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, summary_s, no_speculative, drafter, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, spot_seed, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
     """Serve /v1/completions and /v1/chat/completions, batching concurrent requests' dispatches."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
     session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=1.0 if verify_all else spot_check, spot_seed=spot_seed, hold_experts=not remote_experts_only, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME, relay=relay_settings(relay_ca, relay_keepalive))
     cache_bytes = parse_size(prefix_cache) if prefix_cache not in ("0", "") else 0
-    options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative, drafter=drafter, summary_s=summary_s)
+    options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative, drafter=drafter, summary_s=summary_s, body_timeout=body_timeout)
     asyncio.run(serve(load_identity(home), model, (bootstrap, bootstrap_wait), parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), session, options, ready_file, api_key))
 
 
@@ -84,7 +85,7 @@ def _api_key(value: str | None) -> str | None:
 async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str, int], name: str, wait: tuple[int, float], session: dict, options: dict, ready_file: str | None, api_key: str | None = None) -> None:
     """Bind HTTP at once (503 until ready), find the workers, then serve on this loop until SIGINT/SIGTERM."""
     status = NodeStatus("gateway", str(identity.peer_id), phase=Phase.LOADING, model=model_shape(model), needs_swarm=True, ledger_path=session["ledger_path"])
-    gateway = Gateway(None, name, model.digest, status, api_key=api_key)
+    gateway = Gateway(None, name, model.digest, status, api_key=api_key, body_timeout=options["body_timeout"])
     host, port = await gateway.start(*http)
     status.http_addr = f"{host}:{port}"
     url = url_of(host, port) + "/v1"

@@ -19,6 +19,8 @@ shape is tested without a server; :mod:`node.gateway.server` puts them on the wi
   that is not JSON, nests deeper than ``MAX_JSON_DEPTH``, gives a field the wrong type or
   holds text that is not Unicode (a lone surrogate such as ``"\\ud800"``, which JSON allows)
   is a 400 naming what is wrong, never a 500.
+* Request bodies: a ``Content-Encoding`` the server does not decode (or a stack of several) is a 415 naming the ones
+  it does, checked before the body is read (aiohttp would hand an unknown coding's bytes over undecoded).
 """
 
 from __future__ import annotations
@@ -85,6 +87,15 @@ def parse_body(raw: bytes) -> object:
     if _depth(body) > MAX_JSON_DEPTH:
         raise ApiError(400, f"the request body nests too deeply (at most {MAX_JSON_DEPTH} levels)")
     return body
+
+
+def check_content_encoding(header: str | None, decoded: Sequence[str]) -> None:
+    """Accept no ``Content-Encoding``, ``identity``, or one of *decoded* (case-insensitive); 415 otherwise (RFC 9110
+    §15.5.16), since anything else would reach the JSON parser as compressed bytes."""
+    codings = [c.strip().lower() for c in (header or "").split(",") if c.strip() and c.strip().lower() != "identity"]
+    if not codings or (len(codings) == 1 and codings[0] in decoded):
+        return
+    raise ApiError(415, f"Content-Encoding {(header or '').strip()!r} is not supported: send the body as identity or one of {', '.join(decoded)}", param="Content-Encoding", code="unsupported_content_encoding")
 
 
 def _depth(value: object) -> int:

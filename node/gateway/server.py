@@ -16,6 +16,14 @@ The gateway binds its port before the swarm is found: until :meth:`Gateway.attac
 ``/v1`` request gets 503 with the reason, and ``/healthz``, ``/readyz``, ``/metrics`` and ``/status``
 (:mod:`node.status.server`) answer from the start, so a supervisor tells "starting" from "dead".
 
+A request body that cannot be read is the client's fault, never a 500: a ``Content-Encoding`` aiohttp does not decode
+gets 415 before the body is read; bytes that do not decode (bad gzip/deflate), chunked framing that breaks off, get
+400; a body that has not fully arrived within ``body_timeout`` (a Content-Length larger than what is sent, a chunked
+body without its last chunk, a slow-loris client) gets 408, and the connection is closed since its rest is unread.
+Each writes one ``gateway.bad_body`` line, rate-limited (:mod:`p2p.lograte_edge`), since anyone can send them.
+Framing aiohttp's parser refuses itself (a bad Content-Length, both it and chunked, a bad chunk size, br or zstd
+without their decoder installed) it answers 400 in plain text, before any handler, logging only at debug.
+
 With an API key every path but ``/healthz`` and ``/readyz`` needs ``Authorization: Bearer KEY``
 (:func:`node.gateway.openai.check_api_key`); a 401 also carries ``WWW-Authenticate: Bearer`` (RFC 6750).
 """
@@ -27,21 +35,27 @@ import time
 
 import structlog
 from aiohttp import web
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 
 from node.backbone.dispatch import RemoteMoE
 from node.gateway.engine import Engine, QueueFull, Stream
-from node.gateway.openai import INTERNAL_ERROR, OPEN_PATHS, ApiError, Finished, Reply, check_api_key, check_model, model_card, parse_body, parse_request, sse
+from node.gateway.openai import INTERNAL_ERROR, OPEN_PATHS, ApiError, Finished, Reply, check_api_key, check_content_encoding, check_model, model_card, parse_body, parse_request, sse
 from node.status.server import NodeStatus, add_routes, start_app
+from p2p.lograte_edge import ThrottledLog
 
 log = structlog.get_logger("node.gateway.server")
+BODY_TIMEOUT = 30.0  # seconds for a request body to arrive in full once its headers have
+DECODED = ("gzip", "deflate", *(("br",) if HAS_BROTLI else ()), *(("zstd",) if HAS_ZSTD else ()))  # aiohttp's decoders here
 
 
 class Gateway:
     """The aiohttp application around an :class:`Engine` (given now, or later with :meth:`attach`)."""
 
-    def __init__(self, engine: Engine | None, model_name: str, model_digest: str, status: NodeStatus | None = None, *, api_key: str | None = None) -> None:
+    def __init__(self, engine: Engine | None, model_name: str, model_digest: str, status: NodeStatus | None = None, *, api_key: str | None = None, body_timeout: float = BODY_TIMEOUT) -> None:
         self._engine = engine
         self._api_key = api_key
+        self.body_timeout = body_timeout
+        self._bad_body_log = ThrottledLog(log)
         self.status = status
         self.model_name = model_name
         self.fingerprint = "fp_" + model_digest[:12]
@@ -86,7 +100,10 @@ class Gateway:
             return await handler(request)
         except ApiError as exc:
             headers = {"WWW-Authenticate": 'Bearer realm="moeswarm"'} if exc.status == 401 else None
-            return web.json_response(exc.body(), status=exc.status, headers=headers)
+            resp = web.json_response(exc.body(), status=exc.status, headers=headers)
+            if request.body_exists and not request.content.is_eof():  # the rest of the body is unread: its next
+                resp.force_close()  # bytes are no request, so say Connection: close (aiohttp drains it, then closes)
+            return resp
         except web.HTTPException as exc:  # unknown path, wrong method, body too large
             err = ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=exc.reason.lower().replace(" ", "_"))
             return web.json_response(err.body(), status=exc.status)
@@ -117,8 +134,25 @@ class Gateway:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._respond(request, chat=True)
 
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The decoded body, or the 4xx saying why it cannot be had (see the module docstring)."""
+        try:
+            check_content_encoding(request.headers.get("Content-Encoding"), DECODED)
+            try:
+                async with asyncio.timeout(self.body_timeout):
+                    return await request.read()
+            except TimeoutError:
+                raise ApiError(408, f"the request body did not arrive in full within {self.body_timeout:g} s (a Content-Length larger than the body sent, or a chunked body without its last chunk)", code="request_timeout") from None
+            except web.RequestPayloadError as exc:  # bad gzip/deflate bytes, broken chunked framing
+                cause = exc.__cause__ or exc
+                reason = " ".join(str(getattr(cause, "message", cause)).split())
+                raise ApiError(400, f"the request body could not be read: {reason}", code="bad_request_body") from None
+        except ApiError as exc:
+            self._bad_body_log.info("gateway.bad_body", path=request.path, remote=request.remote, status=exc.status, reason=exc.message)
+            raise
+
     async def _respond(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        body = parse_body(await request.read())
+        body = parse_body(await self._read_body(request))
         tok, context_length = self.engine.tok, self.engine.backbone.cfg.context_length
         job = parse_request(body, chat=chat, served=self.model_name, tok=tok, context_length=context_length, session_header=request.headers.get("X-Session-Id"))
         try:

@@ -30,6 +30,7 @@ from node.ledger.witness import UNKNOWN, SignedHead
 from node.worker.slice_server import SliceServer
 from p2p import wire
 from p2p.identity import Identity, PeerId
+from p2p.lograte_edge import ThrottledLog
 from p2p.pathkind import Path
 
 log = structlog.get_logger("node.worker.service")
@@ -102,6 +103,7 @@ class Worker:
         self.path_of = path_of or (lambda peer: Path.DIRECT)
         self.ledger = ledger
         self.stats = WorkerStats()
+        self._peer_log = ThrottledLog(log)  # malformed dispatches anyone can send: a few lines, then a count
         self._pending: dict[int, list[_Job]] = {}
         self._running: set[int] = set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="experts")
@@ -153,7 +155,7 @@ class Worker:
                     self._idle.set()
         except (wire.ProtocolError, CodecError) as exc:
             self.stats.errors += 1
-            log.warning("dispatch.refused", peer=str(peer), error=str(exc), bytes_in=len(data))
+            self._peer_log.warning("dispatch.refused", peer=str(peer), error=str(exc), bytes_in=len(data))
             if isinstance(exc, CodecError):
                 exc = wire.BadCodec("hidden", str(exc))
             return wire.error_reply_for(exc, dispatch_id).encode()

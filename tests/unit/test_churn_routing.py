@@ -195,3 +195,22 @@ def test_hedge_after_is_a_multiple_of_the_predicted_round_trip():
     assert router.hedge_after(a.peer_id, 4) == pytest.approx(routing.HEDGE_K * 0.018)
     router.health[a.peer_id].rtt_ms = router.health[a.peer_id].compute_ms_per_token = 0.0
     assert router.hedge_after(a.peer_id, 1) == routing.HEDGE_FLOOR_S
+
+
+def test_a_pinged_host_never_dispatched_to_gets_the_floor_deadline_not_the_cap():
+    """A host the vetting ping measured (5 ms) and that never answered a dispatch: with the compute prior of a
+    backbone holding the experts, a short dispatch waits DEADLINE_FLOOR_S, a long prefill up to the cap; without the
+    prior (remote experts only) or without a ping, the cap. A measured dispatch then replaces the ping's RTT."""
+    a = Identity.generate()
+    router = Router(n_expert=8)
+    router.update(0, [record(a, [(0, 8)], 1)])
+    assert router.deadline(a.peer_id, 4, cap=30.0) == 30.0  # never pinged, never measured
+    router.pinged(a.peer_id, 5.0)
+    assert router.deadline(a.peer_id, 4, cap=30.0) == 30.0  # no prior: a remote-experts-only backbone waits
+    router.unmeasured_compute_ms = routing.UNMEASURED_COMPUTE_MS
+    assert router.deadline(a.peer_id, 4, cap=30.0) == DEADLINE_FLOOR_S
+    assert router.deadline(a.peer_id, 5000, cap=30.0) == 30.0  # a long prefill keeps the cap
+    answered(router, a.peer_id, rtt_ms=100.0, compute_ms=400.0, n_tokens=4)
+    router.pinged(a.peer_id, 1.0)  # a later ping does not overwrite what dispatches measured
+    assert router.health[a.peer_id].rtt_ms == 100.0
+    assert router.deadline(a.peer_id, 4, cap=30.0) == pytest.approx(DEADLINE_K * (0.1 + 0.4) + DEADLINE_MARGIN_S)

@@ -110,10 +110,12 @@ def test_the_answer_holds_at_most_max_hosts_and_then_probes_nobody():
 
 
 def test_vetted_discovery_answers_the_hosts_whose_ping_answered():
-    """Over an in-memory DHT, VettedDiscovery pings both hosts and answers only the one whose probe returned."""
+    """Over an in-memory DHT, VettedDiscovery pings both hosts, answers only the one whose probe returned, and reports
+    that one's round trip (the router's first deadline for it)."""
     board, clock = InMemoryBoard(), FakeClock(NOW)
     live, dead = Identity.generate(), Identity.generate()
     pinged: list[PeerId] = []
+    rtts: list[tuple[PeerId, float]] = []
 
     async def probe(r: HostRecord) -> None:
         pinged.append(r.peer_id)
@@ -124,6 +126,7 @@ def test_vetted_discovery_answers_the_hosts_whose_ping_answered():
         await InMemoryDiscovery(live, board, clock=clock).announce([HostedSlice(MODEL, 1, ((0, 8),), quic_addr="127.0.0.1:5001")])
         await InMemoryDiscovery(dead, board, clock=clock).announce([HostedSlice(MODEL, 1, ((8, 16),), quic_addr="127.0.0.1:5002")])
         vetted = VettedDiscovery(InMemoryDiscovery(Identity.generate(), board, clock=clock), probe, clock=clock)
+        vetted.pinged = lambda peer, rtt_ms: rtts.append((peer, rtt_ms))
         first = await vetted.lookup(MODEL, 1)
         second = await vetted.lookup(MODEL, 1)
         return first, second
@@ -131,6 +134,7 @@ def test_vetted_discovery_answers_the_hosts_whose_ping_answered():
     first, second = asyncio.run(main())
     assert [r.peer_id for r in first] == [r.peer_id for r in second] == [live.peer_id]
     assert sorted(pinged) == sorted([live.peer_id, dead.peer_id])  # the second lookup pinged nobody
+    assert [peer for peer, _ in rtts] == [live.peer_id] and rtts[0][1] >= 0  # the router learns the answered ping's RTT
 
 
 def test_vetted_discovery_bounds_a_probe_that_never_returns():
