@@ -101,12 +101,23 @@ already gives::
     4            offset          u32
     rest         data            1..MAX_PIECE bytes
 
+    RECEIPT_SIGN_REQUEST (13): a backbone asks a worker to sign, in one batch, the receipts of dispatches it answered
+    (see node.ledger.receipts, "Batch signatures"); the reply is a RECEIPT_BATCH, or an ErrorReply
+    2            count           u16; 1..MAX_RECEIPT_BATCH
+    16*count     dispatch_ids    distinct
+
+    RECEIPT_BATCH (14): the worker's one signature over the Merkle root of the receipts it signs, in request order
+    2            count           u16; 1..MAX_RECEIPT_BATCH
+    48*count     leaves          per dispatch: its 16-byte id and the 32-byte Merkle leaf of the receipt the worker
+                                 signed for it (a subset of the request's ids, in its order: the rest are not signed)
+    64           signature       Ed25519 over node.ledger.receipts.batch_message(root of the leaves)
+
 A type this module does not know decodes to ``Unknown`` (flags and body kept), never an error: the receiver decides.
 Hello and HelloAck are framed as version 1 forever, so peers of any version can negotiate; every other message uses
 the negotiated version. In every version a DispatchRequest body starts with its dispatch id (``peek_dispatch_id``).
 
 Limits: MAX_MESSAGE 64 MiB (header included), MAX_TOKENS 4096, MAX_TOP_K 64, MAX_ERROR_TEXT 1024 bytes, MAX_RECEIPT
-4096 bytes, MAX_MODELS 64, MAX_PIECE 4 MiB. They are checked before anything is sliced or allocated. Every
+4096 bytes, MAX_MODELS 64, MAX_PIECE 4 MiB, MAX_RECEIPT_BATCH 256. They are checked before anything is sliced or allocated. Every
 violation raises a ``ProtocolError`` subclass that names the field and carries the ``ErrorCode`` to answer it with
 (``error_reply_for``); ``peek_dispatch_id`` finds the id to put in that reply even in a request that did not decode.
 """
@@ -144,9 +155,10 @@ from .wire_fields import (
 
 __all__ = [
     "DIGEST_LEN", "DISPATCH_ID_LEN", "HEADER_LEN", "MAGIC", "MAX_ERROR_TEXT", "MAX_MESSAGE", "MAX_MODELS",
-    "MAX_RECEIPT", "MAX_TOKENS", "MAX_TOP_K", "MODEL_ID_LEN", "SUPPORTED_VERSIONS", "VERSION", "ZERO_ID", "BadCodec",
+    "MAX_RECEIPT", "MAX_RECEIPT_BATCH", "MAX_TOKENS", "MAX_TOP_K", "MODEL_ID_LEN", "SUPPORTED_VERSIONS", "VERSION", "ZERO_ID", "BadCodec",
     "Codec", "DispatchReply", "DispatchRequest", "ErrorCode", "ErrorReply", "Header", "Hello", "HelloAck",
-    "InvalidField", "LedgerHead", "Message", "MsgType", "Ping", "Pong", "ProtocolError", "Role", "TooLarge", "Truncated",
+    "InvalidField", "LedgerHead", "Message", "MsgType", "Ping", "Pong", "ProtocolError", "ReceiptBatch", "ReceiptSignRequest",
+    "Role", "TooLarge", "Truncated",
     "Unknown", "UnsupportedVersion", "decode", "decode_header", "error_reply_for", "model_id_of", "negotiate",
     "peek_dispatch_id",
 ]
@@ -164,6 +176,9 @@ MAX_TOKENS = 4096
 MAX_TOP_K = 64
 MAX_ERROR_TEXT = 1024  # UTF-8 bytes
 MAX_RECEIPT = 4096
+MAX_RECEIPT_BATCH = 256  # dispatches one batch signature covers (a Merkle path of at most 8 hashes)
+LEAF_HASH_LEN = 32
+SIGNATURE_LEN = 64
 MAX_MODELS = 64
 MAX_PIECE = 4 << 20  # bytes of one expert a Piece carries; a larger expert is fetched in several ranges
 MAX_TENSOR_NAME = 255  # ASCII bytes
@@ -188,6 +203,8 @@ class MsgType(IntEnum):
     SLICE_INFO = 10
     PIECE_REQUEST = 11
     PIECE = 12
+    RECEIPT_SIGN_REQUEST = 13
+    RECEIPT_BATCH = 14
 
 
 class Role(IntEnum):
@@ -670,6 +687,72 @@ class Piece(_Message):
         return cls(r.u32("offset"), rest(r, 1, "data"))
 
 
+def _dispatch_ids(values: object, lo: int) -> tuple[bytes, ...]:
+    items: tuple[object, ...] = tuple(values)  # type: ignore[arg-type]  # not iterable: TypeError, as for the other tuples
+    count_field("count", len(items), lo, MAX_RECEIPT_BATCH)
+    ids = tuple(bytes_field("dispatch_ids", i, DISPATCH_ID_LEN, DISPATCH_ID_LEN) for i in items)
+    if len(set(ids)) != len(ids):
+        raise InvalidField("dispatch_ids", "a dispatch id is named twice")
+    return ids
+
+
+@dataclass(frozen=True)
+class ReceiptSignRequest(_Message):
+    """Asks a worker for one batch signature over the receipts of these dispatches (answered before, unsigned)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RECEIPT_SIGN_REQUEST
+
+    dispatch_ids: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        set_frozen(self, "dispatch_ids", _dispatch_ids(self.dispatch_ids, 1))
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        return (struct.pack("<H", len(self.dispatch_ids)), *self.dispatch_ids)
+
+    def _body_len(self) -> int:
+        return 2 + DISPATCH_ID_LEN * len(self.dispatch_ids)
+
+    @classmethod
+    def _decode(cls, r: Reader) -> Self:
+        n = count_field("count", r.u16("count"), 1, MAX_RECEIPT_BATCH)  # checked before reading the ids
+        return cls(tuple(r.take(DISPATCH_ID_LEN, "dispatch_ids") for _ in range(n)))
+
+
+@dataclass(frozen=True)
+class ReceiptBatch(_Message):
+    """A worker's batch signature: the dispatches it signs, each with its receipt's Merkle leaf, and the signature
+    over their root (``node.ledger.receipts.batch_message``). The backbone rebuilds each leaf from what it sent and
+    received; the leaves sent here only tell it *which* receipt differs when one does."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RECEIPT_BATCH
+
+    dispatch_ids: tuple[bytes, ...]
+    leaves: tuple[bytes, ...]
+    signature: bytes
+
+    def __post_init__(self) -> None:
+        set_frozen(self, "dispatch_ids", _dispatch_ids(self.dispatch_ids, 1))
+        leaves = tuple(self.leaves)
+        if len(leaves) != len(self.dispatch_ids):
+            raise InvalidField("leaves", f"{len(leaves)} leaves for {len(self.dispatch_ids)} dispatch ids")
+        set_frozen(self, "leaves", tuple(bytes_field("leaves", v, LEAF_HASH_LEN, LEAF_HASH_LEN) for v in leaves))
+        set_frozen(self, "signature", bytes_field("signature", self.signature, SIGNATURE_LEN, SIGNATURE_LEN))
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        pairs = (part for pair in zip(self.dispatch_ids, self.leaves) for part in pair)
+        return (struct.pack("<H", len(self.dispatch_ids)), *pairs, self.signature)
+
+    def _body_len(self) -> int:
+        return 2 + (DISPATCH_ID_LEN + LEAF_HASH_LEN) * len(self.dispatch_ids) + SIGNATURE_LEN
+
+    @classmethod
+    def _decode(cls, r: Reader) -> Self:
+        n = count_field("count", r.u16("count"), 1, MAX_RECEIPT_BATCH)  # checked before reading the pairs
+        pairs = [(r.take(DISPATCH_ID_LEN, "dispatch_ids"), r.take(LEAF_HASH_LEN, "leaves")) for _ in range(n)]
+        return cls(tuple(i for i, _ in pairs), tuple(v for _, v in pairs), r.take(SIGNATURE_LEN, "signature"))
+
+
 @dataclass(frozen=True)
 class Unknown(_Message):
     """A message of a type this side does not know, kept whole so the caller can ignore, log or refuse it."""
@@ -696,10 +779,11 @@ class Unknown(_Message):
         return len(self.body)
 
 
-Message = Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead | SliceInfoRequest | SliceInfo | PieceRequest | Piece | Unknown
+_Known = Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead | SliceInfoRequest | SliceInfo | PieceRequest | Piece | ReceiptSignRequest | ReceiptBatch
+Message = _Known | Unknown
 
-_KNOWN = (Hello, HelloAck, DispatchRequest, DispatchReply, ErrorReply, Ping, Pong, LedgerHead, SliceInfoRequest, SliceInfo, PieceRequest, Piece)
-_TYPES: dict[int, type[Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead | SliceInfoRequest | SliceInfo | PieceRequest | Piece]] = {
+_KNOWN = (Hello, HelloAck, DispatchRequest, DispatchReply, ErrorReply, Ping, Pong, LedgerHead, SliceInfoRequest, SliceInfo, PieceRequest, Piece, ReceiptSignRequest, ReceiptBatch)
+_TYPES: dict[int, type[_Known]] = {
     cls.TYPE: cls for cls in _KNOWN
 }
 

@@ -39,15 +39,10 @@ from experts.moe import ExpertSource, combine
 from node.backbone.heads import HeadExchange
 from node.backbone.hot import HotExperts
 from node.backbone.routing import Host, LayerRoute, Router
+from node.backbone.signatures import SignatureCollector
 from node.backbone.spotcheck import DEFAULT_SPOT_CHECK, Answer, CheckResult, SpotChecker, agree, compare, settle
-from node.ledger.receipts import (
-    Receipt,
-    ReceiptError,
-    ReceiptStamp,
-    build_receipt,
-    verify,
-    verify_on_either_path,
-)
+from node.ledger.deferred import DELAY_S, Pending
+from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, build_receipt, decode_issued
 from node.ledger.sink import LedgerSink
 from p2p import wire
 from p2p.connector import Connector
@@ -85,13 +80,14 @@ class HostTimedOut(DispatchFailed):
 
 @dataclass(frozen=True)
 class Dispute:
-    """A receipt whose result failed a spot check: unpaid, with the evidence."""
+    """A receipt whose result failed a spot check, or that its worker did not sign: unpaid, with the evidence."""
 
     receipt: Receipt
     max_abs_diff: float
     min_cosine: float
     caught: bool = True  # False: an earlier, unchecked receipt of a worker caught later (suspect, so unpaid too)
     at: float = field(default_factory=time.monotonic)
+    reason: str = "spot check"  # or why its batch signature failed (never signed: the ledgers hold no entry for it)
 
 
 @dataclass
@@ -104,7 +100,7 @@ class DispatchRecord:
     bytes_back: int
     latency_ms: float
     ok: bool
-    worker_ms: float = 0.0  # the worker's own time for it (decode, compute, encode, sign), from its reply
+    worker_ms: float = 0.0  # the worker's own time for it (decode, compute, encode), from its reply
     probe: bool = False  # sent in the background to a benched or demoted host; the group was computed locally
     timed_out: bool = False
     at: float = field(default_factory=time.monotonic)
@@ -197,11 +193,14 @@ class RemoteMoE:
         hot: HotExperts | None = None,
         max_price: int | None = None,
         hedge: bool = False,
+        sign_delay: float = DELAY_S,
     ) -> None:
         """Everything the dispatcher needs, complete: *codec* must already be allowed for the model (the
         composition root checks the verdict store), *loop* owns *connector*'s endpoint (:meth:`hook` is
         called from the forward's thread and hands each layer to it). *fallback* None: the backbone holds no
-        routed experts (a model too large for it): no local compute, spot checks re-ask another replica."""
+        routed experts (a model too large for it): no local compute, spot checks re-ask another replica. Receipts
+        are signed by their workers in batches after the replies (:mod:`node.backbone.signatures`): asked for
+        *sign_delay* s after a worker's oldest unsigned receipt, each batch's verdict due within *timeout*."""
         self.connector = connector
         self.discovery = discovery
         self.model_digest = model_digest
@@ -216,7 +215,8 @@ class RemoteMoE:
         self.receipts: deque[Receipt] = deque(maxlen=KEEP_RECENT)  # recent; the ledger holds them all
         self.disputes: deque[Dispute] = deque(maxlen=KEEP_RECENT)
         self.checker = SpotChecker(spot_check, spot_seed)
-        self.ledger = ledger  # every verified receipt, and every dispute, is appended (off the hot path)
+        self.ledger = ledger  # every receipt once its batch signature verified, and every dispute, is appended (off the hot path)
+        self.signatures = SignatureCollector(connector, signed=self._signed, unsigned=self._unsigned, repriced=self._repriced, deadline=timeout, delay=sign_delay)
         self.heads = HeadExchange(ledger, connector, timeout=timeout) if ledger else None  # signed heads swapped with workers paid
         self.hot = hot  # experts the backbone computes itself (EPLB-style), or None
         self.loop = loop
@@ -245,13 +245,23 @@ class RemoteMoE:
                 log.warning("routes.refresh_failed", error=str(exc))
 
     async def close(self) -> None:
-        """Cancel the probes and hedged dispatches still in flight (their hosts are not charged for it); swap ledger
-        heads a last time with the workers paid since the previous swap."""
+        """Cancel the probes and hedged dispatches still in flight (their hosts are not charged for it); collect the
+        signatures of every receipt still unsigned; swap ledger heads a last time with the workers paid since the
+        previous swap."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.signatures.close()
         if self.heads:
             await self.heads.close()
+
+    async def settle(self) -> None:
+        """Return once every receipt so far has its batch signature's verdict (a worker convicted by one is a culprit)."""
+        await self.signatures.settle()
+
+    def settle_blocking(self) -> None:
+        """:meth:`settle` from the forward's thread: a sequence's last rollback check waits for it (``Provenance``)."""
+        asyncio.run_coroutine_threadsafe(self.settle(), self.loop).result()
 
     def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None, provenance: Taint | None = None) -> Future:
         """The ``moe_ffn`` for :class:`experts.forward.Backbone`, called off the loop thread.
@@ -411,17 +421,15 @@ class RemoteMoE:
 
     async def _send(self, host: Host, layer: int, x, ids, w, held, *, timeout: float, probe: bool = False) -> tuple[np.ndarray, bool]:
         """*host*'s answer within *timeout* s, spot-checked if sampled: (sums to use, whether they were verified)."""
-        sums, receipt, stamp = await self._exchange(host, layer, x, ids, w, held, timeout=timeout, probe=probe)
-        if self.heads:
-            self.heads.after_dispatch(host)
+        sums, receipt = await self._exchange(host, layer, x, ids, w, held, timeout=timeout, probe=probe)
         if not self.checker.should_check():
-            self._accept(receipt, stamp)
+            self.signatures.add(host, receipt)
             return sums, False
-        return await self._spot_check(host, layer, x, ids, w, held, Answer(sums, host.kernel), receipt, stamp)
+        return await self._spot_check(host, layer, x, ids, w, held, Answer(sums, host.kernel), receipt)
 
-    async def _exchange(self, host: Host, layer: int, x, ids, w, held, *, timeout: float, probe: bool = False) -> tuple[np.ndarray, Receipt, ReceiptStamp]:
-        """One request to *host* and its verified reply, waiting at most *timeout* s: (sums, rebuilt receipt, its
-        stamp); DispatchFailed otherwise (HostTimedOut, HostDraining)."""
+    async def _exchange(self, host: Host, layer: int, x, ids, w, held, *, timeout: float, probe: bool = False) -> tuple[np.ndarray, Receipt]:
+        """One request to *host* and its checked reply, waiting at most *timeout* s: (sums, rebuilt receipt, its
+        signature still to come); DispatchFailed otherwise (HostTimedOut, HostDraining)."""
         n, k = ids.shape
         req = wire.DispatchRequest(
             dispatch_id=os.urandom(16),
@@ -463,7 +471,7 @@ class RemoteMoE:
                 raise DispatchFailed(f"bad partial sums: {exc}") from None
             if not np.isfinite(sums).all():
                 raise DispatchFailed("partial sums are not finite")
-            receipt, stamp = await self._check_receipt(host, req, data, msg, path)
+            receipt = self._rebuild_receipt(host, req, data, msg, path)
             ok, worker_ms = True, msg.compute_us / 1e3
         finally:
             latency = (time.perf_counter() - t0) * 1e3
@@ -472,15 +480,47 @@ class RemoteMoE:
             log.debug("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok, probe=probe)
         compute_ms = msg.compute_us / 1e3
         self.router.succeeded(host.peer_id, max(latency - compute_ms, 0.0), compute_ms, n)
-        return sums, receipt, stamp
+        return sums, receipt
 
-    def _accept(self, receipt: Receipt, stamp: ReceiptStamp) -> None:
-        self.receipts.append(receipt)
-        log.debug("receipt.accepted", **dataclasses.asdict(receipt))  # the ledger entry's fields, as one event
+    def _signed(self, item: Pending[Host], stamp: ReceiptStamp) -> None:
+        """A receipt's batch signature verified: now it is recorded, paid unless its worker was caught meanwhile."""
+        receipt = item.receipt
         if self.ledger:
             self.ledger.receipt(receipt, stamp)
+            if item.dispute:
+                self.ledger.dispute(receipt, item.dispute)
+        if item.dispute:
+            return
+        self.receipts.append(receipt)
+        log.debug("receipt.accepted", **dataclasses.asdict(receipt))  # the ledger entry's fields, as one event
+        if self.heads:
+            self.heads.after_dispatch(item.host)
 
-    async def _spot_check(self, host: Host, layer: int, x, ids, w, held, got: Answer, receipt: Receipt, stamp: ReceiptStamp) -> tuple[np.ndarray, bool]:
+    def _unsigned(self, host: Host, items: tuple[Pending[Host], ...], reason: str) -> None:
+        """*host* left receipts unsigned past their deadline, or signed something else: convicted as a caught cheat.
+        Receipts disputed already (their worker convicted while they waited) are no new offence; a reply that was in
+        flight at a conviction is (its sums were used after the culprit was named: naming it again rolls them back)."""
+        items = tuple(p for p in items if p.dispute is None)
+        if not items:
+            return
+        self.checker.unsigned += 1  # batches whose worker was convicted for them
+        disputes = [Dispute(p.receipt, float("nan"), float("nan"), reason=f"unsigned: {reason}") for p in items]
+        ban = self._convict(host, disputes, f"worker left dispatch {items[0].receipt.dispatch_id} unsigned: {reason}"[:1000])
+        log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=items[0].receipt.dispatch_id, layer=items[0].receipt.layer, unsigned=len(items), reason=reason, banned_s=ban)
+
+    async def _repriced(self, host: Host, layer: int) -> int | None:
+        """The price *host*'s fresh record asks, if it re-priced since our cached lookup (it signs its new price)."""
+        try:
+            records = await self.discovery.lookup(self.model_digest, layer, fresh=True)
+        except DiscoveryError:
+            return None
+        fresh = [r for r in records if r.peer_id == host.peer_id]
+        if not fresh or fresh[0].hosted.price == host.price:
+            return None
+        self.router.update(layer, records)
+        return fresh[0].hosted.price
+
+    async def _spot_check(self, host: Host, layer: int, x, ids, w, held, got: Answer, receipt: Receipt) -> tuple[np.ndarray, bool]:
         """Re-compute this dispatch: locally if the backbone holds the experts, else on other replicas.
 
         Returns (sums to use, verified): a caught host's receipt is disputed, it is banned, and the
@@ -491,55 +531,55 @@ class RemoteMoE:
             want = codecs.roundtrip(self.codec, await self._local(layer, codecs.roundtrip(self.codec, x), ids, w, held))
             result = compare(self.codec, got.sums, want, same_kernel=host.kernel == str(self.fallback.identity))
             if not result.ok:
-                self._catch(host, layer, receipt, stamp, result)
+                self._catch(host, layer, receipt, result)
                 return want, True
-            self._accept(receipt, stamp)
+            self.signatures.add(host, receipt)
             return got.sums, True
         asked = await self._ask_replicas(host, layer, x, ids, w, held, 1)
         if not asked:
             self._unverifiable(host, layer)
-            self._accept(receipt, stamp)
+            self.signatures.add(host, receipt)
             return got.sums, False
-        (ref, ref_answer, ref_receipt, ref_stamp), = asked
+        (ref, ref_answer, ref_receipt), = asked
         if agree(self.codec, got, ref_answer).ok:
-            self._accept(receipt, stamp)
-            self._accept(ref_receipt, ref_stamp)
+            self.signatures.add(host, receipt)
+            self.signatures.add(ref, ref_receipt)
             return got.sums, True
         third = await self._ask_replicas(host, layer, x, ids, w, held, 1, skip={ref.peer_id})
         verdict = settle(self.codec, got, ref_answer, third[0][1]) if third else None
-        for _, _, r, st in third:
-            self._accept(r, st)
+        for other, _, r in third:
+            self.signatures.add(other, r)
         if verdict is None or verdict.wrong is None:
             self.checker.unsettled += 1
             log.warning("spotcheck.unsettled", layer=layer, peers=[str(host.peer_id), str(ref.peer_id)], third=bool(third))
-            self._accept(receipt, stamp)
-            self._accept(ref_receipt, ref_stamp)
+            self.signatures.add(host, receipt)
+            self.signatures.add(ref, ref_receipt)
             return got.sums, False
         if verdict.wrong == 0:
-            self._catch(host, layer, receipt, stamp, verdict.evidence)
-            self._accept(ref_receipt, ref_stamp)
+            self._catch(host, layer, receipt, verdict.evidence)
+            self.signatures.add(ref, ref_receipt)
             return ref_answer.sums, True
-        self._catch(ref, layer, ref_receipt, ref_stamp, verdict.evidence)
-        self._accept(receipt, stamp)
+        self._catch(ref, layer, ref_receipt, verdict.evidence)
+        self.signatures.add(host, receipt)
         return got.sums, True
 
-    async def _ask_replicas(self, host: Host, layer: int, x, ids, w, held, n: int, skip: frozenset | set = frozenset()) -> list[tuple[Host, Answer, Receipt, ReceiptStamp]]:
+    async def _ask_replicas(self, host: Host, layer: int, x, ids, w, held, n: int, skip: frozenset | set = frozenset()) -> list[tuple[Host, Answer, Receipt]]:
         """The same dispatch on up to *n* other replicas that hold its experts (not *host*, not *skip*), best first."""
         route = self.router.routes[layer]
         lo, hi = int(ids[held].min()), int(ids[held].max())
         group = next(g for g, (a, b) in enumerate(route.partition.bounds) if a <= lo and hi < b)
-        out = []
+        out: list[tuple[Host, Answer, Receipt]] = []
         for other in self.router.candidates(layer, group, time.monotonic()):
             if len(out) == n:
                 break
             if other.peer_id == host.peer_id or other.peer_id in skip:
                 continue
             try:
-                sums, r, st = await self._exchange(other, layer, x, ids, w, held, timeout=self.router.deadline(other.peer_id, x.shape[0], self.timeout))
+                sums, r = await self._exchange(other, layer, x, ids, w, held, timeout=self.router.deadline(other.peer_id, x.shape[0], self.timeout))
             except DispatchFailed as exc:
                 self._failed(other, layer, exc, probe=False)
                 continue
-            out.append((other, Answer(sums, other.kernel), r, st))
+            out.append((other, Answer(sums, other.kernel), r))
         return out
 
     def _unverifiable(self, host: Host, layer: int) -> None:
@@ -547,35 +587,40 @@ class RemoteMoE:
             log.warning("spotcheck.unverifiable", peer=str(host.peer_id), layer=layer, reason="no other replica hosts these experts and the backbone holds none: its answers cannot be verified")
         self.checker.unverifiable += 1
 
-    def _catch(self, host: Host, layer: int, receipt: Receipt, stamp: ReceiptStamp, result: CheckResult) -> None:
-        """*host* answered wrong: ban it, dispute this receipt and its earlier ones, and name it a culprit (sequences roll back)."""
+    def _catch(self, host: Host, layer: int, receipt: Receipt, result: CheckResult) -> None:
+        """*host* answered wrong: convict it; this receipt is recorded disputed once signed (the signed wrong sums are the evidence)."""
         self.checker.caught += 1
-        self.checker.culprits.append(str(host.peer_id))
-        ban = self.checker.ban_for(str(host.peer_id))
-        self.router.ban(host.peer_id, time.monotonic(), ban)
-        dispute = Dispute(receipt, result.max_abs_diff, result.min_cosine)
-        earlier = [r for r in self.receipts if r.worker == receipt.worker]
-        self.receipts = deque((r for r in self.receipts if r.worker != receipt.worker), maxlen=KEEP_RECENT)
-        self.disputes += [dispute] + [Dispute(r, float("nan"), float("nan"), caught=False) for r in earlier]
-        if self.ledger:
-            self.ledger.receipt(receipt, stamp)
-            self.ledger.dispute(receipt, f"spot check: max|diff| {result.max_abs_diff:.3g}, min cosine {result.min_cosine:.6f}")
-            for r in earlier:
-                self.ledger.dispute(r, f"worker caught returning wrong sums in dispatch {receipt.dispatch_id}")
+        reason = f"spot check: max|diff| {result.max_abs_diff:.3g}, min cosine {result.min_cosine:.6f}"
+        ban = self._convict(host, [Dispute(receipt, result.max_abs_diff, result.min_cosine)], f"worker caught returning wrong sums in dispatch {receipt.dispatch_id}")
+        self.signatures.add(host, receipt, dispute=reason)
         log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=receipt.dispatch_id, layer=layer, max_abs_diff=result.max_abs_diff, min_cosine=result.min_cosine, banned_s=ban)
 
-    async def _check_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, path: Path) -> tuple[Receipt, ReceiptStamp]:
-        """Rebuild the receipt the worker signed and check its signature.
+    def _convict(self, host: Host, disputes: list[Dispute], earlier_reason: str) -> float:
+        """Ban *host*, name it a culprit (sequences that used its unchecked sums roll back), and dispute *disputes*
+        and every earlier receipt of it in the session: paid ones in the ledger now, unsigned ones once signed.
+        Returns the ban's seconds."""
+        worker = str(host.peer_id)
+        self.checker.culprits.append(worker)
+        ban = self.checker.ban_for(worker)
+        self.router.ban(host.peer_id, time.monotonic(), ban)
+        earlier = [r for r in self.receipts if r.worker == worker]
+        self.receipts = deque((r for r in self.receipts if r.worker != worker), maxlen=KEEP_RECENT)
+        judged = {d.receipt.dispatch_id for d in disputes} | {d.receipt.dispatch_id for d in self.disputes if d.receipt.worker == worker}
+        waiting = [r for r in self.signatures.convict(worker, earlier_reason) if r.dispatch_id not in judged]
+        self.disputes += disputes + [Dispute(r, float("nan"), float("nan"), caught=False) for r in earlier + waiting]
+        if self.ledger:
+            for r in earlier:
+                self.ledger.dispute(r, earlier_reason)
+        return ban
 
-        The price comes from the worker's DHT record; a worker that re-priced since our cached
-        lookup signs its new price, so on a mismatch the record is fetched again once. The path
-        is what each side sees of its own connection (see ``verify_on_either_path``).
-        """
+    def _rebuild_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, path: Path) -> Receipt:
+        """The receipt the worker will sign for this dispatch (its issue time from the reply; the price from its
+        record, re-read if its batch signature covers another). The path is what our own connection saw."""
         try:
-            stamp = ReceiptStamp.decode(msg.receipt)
+            issued_at_us = decode_issued(msg.receipt)
         except ReceiptError as exc:
             raise DispatchFailed(f"receipt rejected: {exc}") from None
-        receipt = build_receipt(
+        return build_receipt(
             data,
             req,
             msg,
@@ -586,21 +631,5 @@ class RemoteMoE:
             n_ff_exp=self.n_ff_exp,
             path=path,
             price=host.price,
-            issued_at_us=stamp.issued_at_us,
+            issued_at_us=issued_at_us,
         )
-        try:
-            return verify_on_either_path(receipt, stamp), stamp
-        except ReceiptError as exc:
-            first_error = exc
-        records = await self.discovery.lookup(self.model_digest, req.layer, fresh=True)
-        fresh = [r for r in records if r.peer_id == host.peer_id]
-        if fresh and fresh[0].hosted.price != host.price:
-            self.router.update(req.layer, records)
-            repriced = dataclasses.replace(receipt, price=fresh[0].hosted.price)
-            try:
-                verify(repriced, stamp)
-                return repriced, stamp
-            except ReceiptError:
-                pass
-        raise DispatchFailed(f"receipt rejected: {first_error}")
-

@@ -34,11 +34,14 @@ class Provenance:
 
     *culprits* is the dispatcher's append-only list of hosts caught cheating (in the order
     caught); only catches after this object was made count, so a catch from an earlier
-    sequence of the same session does not roll this one back.
+    sequence of the same session does not roll this one back. *settle* (``RemoteMoE.settle_blocking``)
+    returns once every receipt so far has its batch signature's verdict: a worker that leaves
+    one unsigned is a culprit too, and the sequence's last check waits for those verdicts.
     """
 
-    def __init__(self, culprits: Sequence[str]) -> None:
+    def __init__(self, culprits: Sequence[str], settle: Callable[[], None] | None = None) -> None:
         self._culprits = culprits
+        self._settle = settle
         self._seen = len(culprits)
         self._first: dict[str, int] = {}
         self._start = 0
@@ -76,6 +79,11 @@ class Provenance:
         """How many of *n_out* generated tokens no catch can retract: those drawn before the first unchecked position."""
         first = self.clean()
         return n_out if first is None else min(max(first + 1 - n_prompt, 0), n_out)
+
+    def settle(self) -> None:
+        """Wait for the verdicts that could still name a culprit whose sums this sequence used unchecked."""
+        if self._settle is not None and self._first:
+            self._settle()
 
     def rollback_to(self) -> int | None:
         """The position to cut back to because of hosts caught since the last call, or None.
@@ -168,8 +176,10 @@ def exact_generate(
             if (cut := provenance.rollback_to()) is not None or (until is not None and until(out)):
                 break
         run.close()
-        if cut is None and (cut := provenance.rollback_to()) is None:
-            return
+        if cut is None:
+            provenance.settle()  # the last check: every receipt's signature judged (catches come from there too)
+            if (cut := provenance.rollback_to()) is None:
+                return
         keep = max(cut + 1 - len(prompt), 0)  # the token at the cut was drawn from the clean position before it
         stats.rollbacks += 1
         stats.redecoded += len(out) - keep

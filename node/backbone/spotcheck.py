@@ -10,7 +10,8 @@ identity (from its record) equals ours the answer must be bit-identical; a lossy
 another kernel (other quantized-activation rounding, another library), must stay within the
 quantized-weights tolerance (cosine >= 0.999 per token and a small absolute error). A mismatch disputes the
 receipt (unpaid), is logged with the evidence, and bans the worker with exponential
-backoff. Pure functions and a small policy object; the backbone does the I/O.
+backoff; so does a batch signature missing past its deadline or not verifying (``unsigned``,
+:mod:`node.backbone.signatures`). Pure functions and a small policy object; the backbone does the I/O.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class SpotChecker:
         self.caught = 0
         self.unverifiable = 0  # sampled dispatches nobody else could re-compute (a sole replica, no local experts)
         self.unsettled = 0  # two replicas disagreed and no third answer settled which was wrong
+        self.unsigned = 0  # workers convicted for receipts left unsigned past the deadline or signed wrong
         self.culprits: list[str] = []  # peers caught, in order (append-only: sequences roll back on new entries)
         self._offences: dict[str, int] = {}
 
@@ -98,7 +100,7 @@ class SpotChecker:
         return self.fraction > 0 and self._rng.random() < self.fraction
 
     def summary(self) -> dict:
-        return {"spot_check": self.fraction, "checked": self.checked, "caught": self.caught, "unverifiable": self.unverifiable, "unsettled": self.unsettled}
+        return {"spot_check": self.fraction, "checked": self.checked, "caught": self.caught, "unverifiable": self.unverifiable, "unsettled": self.unsettled, "unsigned": self.unsigned}
 
     def ban_for(self, peer: str) -> float:
         """Seconds to ban *peer* after its n-th caught mismatch: 60 s, doubling, at most an hour."""

@@ -84,7 +84,7 @@ async def _run(model: GGUFModel, kernel: Kernel, part: Partition, bootstrap: str
     stop = {tok.eos_id}
     async with backbone_session(identity, model, [bootstrap], codec=codec, kernel=kernel, max_datagram=LOOPBACK_DATAGRAM, ledger_path=ledger_path) as moe:
         await wait_for_hosts(moe, model.moe_layers, 1, 60)
-        out, elapsed, _, _ = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, culprits=moe.checker.culprits)
+        out, elapsed, _, _ = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, culprits=moe.checker.culprits, settle=moe.settle_blocking)
         stats = moe.stats.summary()
     store, _ = open_experts(model, kernel)
     local = [t for t, _ in generate(bb, ids, n_tokens, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w)), stop=stop)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, wait
 
 import click
@@ -28,14 +28,15 @@ def serial(hook: MoeFfn) -> MoeFfn:
     return waited
 
 
-async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False, drafter: Drafter | FollowingDrafter | None = None, overlap: bool = True, culprits: Sequence[str] | None = None) -> tuple[list[int], float, SpecStats | None, RollbackStats | None]:
+async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False, drafter: Drafter | FollowingDrafter | None = None, overlap: bool = True, culprits: Sequence[str] | None = None, settle: Callable[[], None] | None = None) -> tuple[list[int], float, SpecStats | None, RollbackStats | None]:
     """Generate off the event loop (the MoE hook needs the loop); echo text when *stream*. Returns (tokens, seconds, stats, rollbacks).
 
     *drafter* proposes the speculative drafts (default: the model's n-gram table or prompt lookup).
     *overlap* False waits for each layer's dispatch before the shared expert (for measuring what the overlap hides).
     *culprits* (``RemoteMoE.checker.culprits``; *hook* then is ``RemoteMoE.hook``): roll back and re-decode when a spot
     check catches a worker whose unchecked sums were used (:mod:`node.backbone.provenance`); the streamed text is
-    then retracted on the terminal (a notice on stderr, the kept text again) and the returned tokens are exact."""
+    then retracted on the terminal (a notice on stderr, the kept text again) and the returned tokens are exact.
+    *settle* (``RemoteMoE.settle_blocking``): the last check waits for the receipts' batch signatures (see Provenance)."""
     ids = tok.encode(prompt)
     out: list[int] = []
     stats = SpecStats() if speculative else None
@@ -45,7 +46,7 @@ async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int
     if culprits is None:
         steps = decode(bb, ids, n_tokens, hook if overlap else serial(hook), stop={tok.eos_id})
     else:
-        rollbacks, provenance = RollbackStats(), Provenance(culprits)
+        rollbacks, provenance = RollbackStats(), Provenance(culprits, settle)
         moe_ffn = functools.partial(hook, provenance=provenance)
         steps = exact_generate(bb, ids, n_tokens, moe_ffn if overlap else serial(moe_ffn), provenance, decode=decode, stop={tok.eos_id}, stats=rollbacks)
     if stream:

@@ -230,7 +230,7 @@ async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, sessi
     drafts = pick_drafter(bb, drafter) if speculative else None  # an MTP refusal before any connection
     async with backbone_session(ident, model, bootstrap, **session) as moe:
         await wait_for_hosts(moe, model.moe_layers, wait_hosts, 60)
-        out, elapsed, spec, rollbacks = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative, drafter=drafts, overlap=overlap, culprits=moe.checker.culprits)
+        out, elapsed, spec, rollbacks = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative, drafter=drafts, overlap=overlap, culprits=moe.checker.culprits, settle=moe.settle_blocking)
         verification = {**moe.checker.summary(), **(rollbacks.summary() if rollbacks else {})}
         if stream:
             click.echo(json.dumps({**moe.stats.summary(), "verification": verification}), err=True)

@@ -161,7 +161,8 @@ class Engine:
     def _decode(self, job: Job, stream: Stream, pins: Pins | None) -> Finished:
         prompt = list(job.prompt)
         culprits: list[str] = self.moe.inner.checker.culprits if isinstance(self.moe.inner, RemoteMoE) else []
-        provenance = Provenance(culprits)  # before the lookup (see Provenance.inherit)
+        settle = self.moe.inner.settle_blocking if isinstance(self.moe.inner, RemoteMoE) else None
+        provenance = Provenance(culprits, settle)  # before the lookup (see Provenance.inherit)
         cache, taint = self.prefix_cache.lookup(job.session, prompt, culprits) if self.prefix_cache else (KVCache(), {})
         cached = cache.n_past  # read now: the generator extends the cache
         provenance.inherit(taint)

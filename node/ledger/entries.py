@@ -34,7 +34,7 @@ from functools import cached_property
 from typing import Any, NamedTuple, get_type_hints
 
 from experts.errors import UsageError
-from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, verify
+from node.ledger.receipts import MAX_EVIDENCE, Receipt, ReceiptError, ReceiptStamp, evidence_ok, verify
 from p2p.identity import Identity, IdentityError, PeerId
 
 GENESIS = b"\0" * 32  # prev_hash of entry 1
@@ -213,7 +213,8 @@ class Event:
             if self.receipt is None or self.worker_sig is None:
                 raise EntryError(f"a {self.kind} entry carries the receipt and the worker's signature")
             _check_receipt(self.receipt)
-            _check_sig("worker_sig", self.worker_sig)
+            if not evidence_ok(self.worker_sig):  # a signature alone, or a batch's with the receipt's Merkle path
+                raise EntryError(f"worker_sig must be a {SIG_LEN}-byte signature or batch evidence of at most {MAX_EVIDENCE} bytes, got {self.worker_sig!r:.40}")
             if self.ref != ref_of(self.receipt):
                 raise EntryError("the entry's dispatch reference differs from its receipt's")
         elif self.receipt is not None or self.worker_sig is not None:

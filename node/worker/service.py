@@ -5,6 +5,11 @@ folded into the next call (one ``partial_sum`` over the union of their tokens).
 The expert kernel is batch invariant (its start-up self-test proves it on this machine), so a
 backbone gets the same bits whether its tokens were computed alone or beside others'.
 Compute runs on one background thread so the event loop keeps serving QUIC.
+
+A reply leaves unsigned, carrying only the receipt's issue time; its receipt waits
+(:class:`node.ledger.deferred.UnsignedReceipts`) until the backbone asks for the batch
+signature (``wire.ReceiptSignRequest``): one Ed25519 signature over many dispatches, off
+the reply's path. A receipt enters the worker's ledger, and counts as earned, when it is signed.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from experts.codecs import Codec
 from experts.errors import CodecError
 from experts.moe import ExpertSource
 from experts.rows import split_rows
+from node.ledger.deferred import UnsignedReceipts
 from node.ledger.entries import Role
-from node.ledger.receipts import STAMP, Receipt, ReceiptStamp, build_receipt, sign, work_units
+from node.ledger.receipts import Receipt, ReceiptStamp, build_receipt, encode_issued, leaf_hash, sign_batch, work_units
 from node.ledger.sink import LedgerSink
 from node.ledger.witness import UNKNOWN, SignedHead
 from node.worker.slice_server import SliceServer
@@ -42,6 +48,7 @@ log = structlog.get_logger("node.worker.service")
 INLINE_WORK = 4_000_000
 MAX_IN_FLIGHT = 256  # dispatches accepted and not yet answered, all peers (docs/architecture.md, "Limits")
 MAX_IN_FLIGHT_PER_PEER = 32  # ... from one peer
+SIGN_GRACE_S = 2.0  # a draining worker waits this long for its backbones to ask for their receipts' signatures
 
 
 class NotHosted(wire.ProtocolError):
@@ -83,7 +90,8 @@ class WorkerStats:
     errors: int = 0
     batches: int = 0
     tokens: int = 0
-    credits: int = 0  # work units x price, as the receipts say (see node.ledger.receipts)
+    credits: int = 0  # work units x price, as the signed receipts say (see node.ledger.receipts)
+    signed: int = 0  # receipts signed (in batches)
     by_peer: dict[str, int] = field(default_factory=dict)
 
 
@@ -113,6 +121,9 @@ class Worker:
         self._in_flight_by: dict[PeerId, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        self.unsigned = UnsignedReceipts()
+        self._all_signed = asyncio.Event()
+        self._all_signed.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -122,8 +133,13 @@ class Worker:
         self.refusing = True
 
     async def idle(self) -> None:
-        """Return once no dispatch is in flight (their replies handed to the endpoint)."""
+        """Return once no dispatch is in flight (their replies handed to the endpoint) and the backbones asked for the
+        signatures of the receipts answered (or ``SIGN_GRACE_S`` passed: unsigned receipts are not paid)."""
         await self._idle.wait()
+        try:
+            await asyncio.wait_for(self._all_signed.wait(), SIGN_GRACE_S)
+        except TimeoutError:
+            log.warning("receipt.unsigned_at_close", receipts=len(self.unsigned))
 
     async def handle(self, peer: PeerId, data: bytes) -> bytes:
         """One request message in, one reply message out; bad input gets an ErrorReply, never an exception."""
@@ -135,10 +151,12 @@ class Worker:
                 return wire.Pong.answering(msg).encode()
             if isinstance(msg, wire.LedgerHead):
                 return (await self._ledger_head(peer, msg)).encode()
+            if isinstance(msg, wire.ReceiptSignRequest):
+                return self._sign(peer, msg).encode()
             if isinstance(msg, (wire.SliceInfoRequest, wire.PieceRequest)):
                 return (await self._slice(peer, msg)).encode()
             if not isinstance(msg, wire.DispatchRequest):
-                raise wire.InvalidField("type", f"a worker answers DispatchRequest, Ping, LedgerHead, SliceInfoRequest and PieceRequest, not {type(msg).__name__}")
+                raise wire.InvalidField("type", f"a worker answers DispatchRequest, Ping, LedgerHead, ReceiptSignRequest, SliceInfoRequest and PieceRequest, not {type(msg).__name__}")
             if self.refusing:
                 raise Draining("type", "this worker is shutting down and withdrew its records; ask another replica")
             self._admit(peer)
@@ -218,11 +236,12 @@ class Worker:
         if not np.isfinite(on_wire).all():
             raise NonFiniteSums("partial", "the partial sums of this input overflow to NaN or infinity; refusing to sign them")
         compute_us = int((time.perf_counter() - t0) * 1e6)
-        unsigned = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, bytes(STAMP.size))
+        issued_at_us = time.time_ns() // 1000
+        reply = wire.DispatchReply(req.dispatch_id, codec, req.n_tokens, payload, compute_us, encode_issued(issued_at_us))
         receipt = build_receipt(
             data,
             req,
-            unsigned,
+            reply,
             backbone=str(peer),
             worker=str(self.identity.peer_id),
             model_digest=self.model_digest,
@@ -230,23 +249,40 @@ class Worker:
             n_ff_exp=cfg.n_ff_exp,
             path=self.path_of(peer),
             price=self.price,
-            issued_at_us=time.time_ns() // 1000,
+            issued_at_us=issued_at_us,
         )
-        stamp = sign(self.identity, receipt)
-        reply = dataclasses.replace(unsigned, receipt=stamp.encode())
+        self.unsigned.add(receipt)  # signed when the backbone asks for its batch's signature
+        self._all_signed.clear()
         self.stats.dispatches += 1
         self.stats.tokens += req.n_tokens
-        self.stats.credits += receipt.credits
         self.stats.by_peer[str(peer)] = self.stats.by_peer.get(str(peer), 0) + 1
         # The reply is on the wire before the next loop iteration (the endpoint sends it in this task step), so the
-        # ledger hand-off -- whose writer thread then takes the GIL -- and the log event wait until after it.
-        asyncio.get_running_loop().call_soon(self._record, receipt, stamp, compute_us)
+        # log event waits until after it.
+        asyncio.get_running_loop().call_soon(self._served, receipt, compute_us)
         return reply.encode()
 
-    def _record(self, receipt: Receipt, stamp: ReceiptStamp, compute_us: int) -> None:
-        if self.ledger:
-            self.ledger.receipt(receipt, stamp)
+    @staticmethod
+    def _served(receipt: Receipt, compute_us: int) -> None:
         log.debug("dispatch.served", compute_us=compute_us, **dataclasses.asdict(receipt))  # one event, the receipt's fields
+
+    def _sign(self, peer: PeerId, msg: wire.ReceiptSignRequest) -> wire.ReceiptBatch:
+        """One signature over the receipts of these dispatches that await it; they enter the ledger now (earned)."""
+        receipts = self.unsigned.take(str(peer), (d.hex() for d in msg.dispatch_ids))
+        if not len(self.unsigned):
+            self._all_signed.set()
+        if not receipts:
+            raise wire.InvalidField("dispatch_ids", f"none of these {len(msg.dispatch_ids)} dispatches awaits a signature here (never answered, signed already, or forgotten)")
+        signature, stamps = sign_batch(self.identity, receipts)
+        self.stats.signed += len(receipts)
+        self.stats.credits += sum(r.credits for r in receipts)
+        asyncio.get_running_loop().call_soon(self._record, receipts, stamps)
+        log.debug("receipt.batch_signed", peer=str(peer), dispatches=len(receipts), asked=len(msg.dispatch_ids))
+        return wire.ReceiptBatch(tuple(bytes.fromhex(r.dispatch_id) for r in receipts), tuple(leaf_hash(r) for r in receipts), signature)
+
+    def _record(self, receipts: list[Receipt], stamps: list[ReceiptStamp]) -> None:
+        if self.ledger:
+            for receipt, stamp in zip(receipts, stamps, strict=True):
+                self.ledger.receipt(receipt, stamp)
 
     async def _compute(self, layer: int, x, ids, w, held) -> np.ndarray:
         loop = asyncio.get_running_loop()

@@ -14,15 +14,7 @@ from hypothesis import strategies as st
 from experts.codecs import Codec
 from experts.gguf_model import GGUFModel
 from experts.slices import ExpertStore
-from node.ledger.receipts import (
-    Receipt,
-    ReceiptError,
-    ReceiptStamp,
-    build_receipt,
-    sign,
-    verify,
-    verify_on_either_path,
-)
+from node.ledger.receipts import Receipt, ReceiptStamp, build_receipt, decode_issued, verify
 from node.worker.service import Worker
 from p2p import wire
 from p2p.identity import Identity
@@ -62,11 +54,21 @@ class Captured:
         self.last = (receipt, stamp)
 
 
+async def serve_and_sign(worker: Worker, backbone: Identity, request: bytes) -> tuple[bytes, wire.Message]:
+    """One dispatch, then the backbone's request for its batch signature: (the reply's bytes, the signature answer)."""
+    raw = await worker.handle(backbone.peer_id, request)
+    ask = wire.ReceiptSignRequest((wire.decode(request).dispatch_id,)).encode()  # type: ignore[union-attr]
+    answer = wire.decode(await worker.handle(backbone.peer_id, ask))
+    await asyncio.sleep(0)  # the ledger hand-off runs after the answer
+    return raw, answer
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), price=st.integers(0, 1000), path=st.sampled_from(Path))
 def test_worker_and_backbone_build_identical_signed_receipts(model, data, price, path):
     """For random requests the worker's receipt (from its reply) and the backbone's (from the bytes it got) are the same
-    body, its reply size is the real reply's length, and the worker's stamp verifies it."""
+    body, its reply size is the real reply's length, and the worker's batch signature, asked for after the reply,
+    verifies it; only then does the receipt reach the worker's ledger."""
     cfg = model.cfg
     req = data.draw(dispatches(cfg.n_layer, cfg.n_embd, wire.model_id_of(bytes.fromhex(model.digest))))
     worker_id, backbone_id = Identity.generate(), Identity.generate()
@@ -74,13 +76,12 @@ def test_worker_and_backbone_build_identical_signed_receipts(model, data, price,
     worker = Worker(worker_id, ExpertStore(model), price=price, path_of=lambda peer: path, ledger=ledger)
     try:
         request = req.encode()
-        raw = asyncio.run(worker.handle(backbone_id.peer_id, request))
+        raw, answer = asyncio.run(serve_and_sign(worker, backbone_id, request))
     finally:
         worker.close()
     mine, stamp = ledger.last
     reply = wire.decode(raw)
-    assert isinstance(reply, wire.DispatchReply)
-    received = ReceiptStamp.decode(reply.receipt)
+    assert isinstance(reply, wire.DispatchReply) and isinstance(answer, wire.ReceiptBatch)
     theirs = build_receipt(
         request,
         wire.decode(request),
@@ -92,12 +93,12 @@ def test_worker_and_backbone_build_identical_signed_receipts(model, data, price,
         n_ff_exp=cfg.n_ff_exp,
         path=path,
         price=price,
-        issued_at_us=received.issued_at_us,
+        issued_at_us=decode_issued(reply.receipt),
     )
     assert theirs.body() == mine.body()
     assert all(type(getattr(mine, f.name)) in (int, str, tuple) for f in dataclasses.fields(Receipt))  # the ledger's exact types
-    assert theirs.bytes_out == len(raw) and received == stamp
-    verify(theirs, received)
+    assert theirs.bytes_out == len(raw)
+    verify(theirs, stamp)
 
 
 REQUEST = wire.DispatchRequest(b"\1" * 16, b"\2" * 16, 0, Codec.F32, 1, 2, (3, -1), (1.0, 0.0), b"\0" * 256)
@@ -118,18 +119,6 @@ def receipt_of(worker: Identity, path: Path, price: int = 3) -> Receipt:
         price=price,
         issued_at_us=5,
     )
-
-
-def test_a_receipt_verifies_on_the_other_path_and_nothing_else():
-    """The one tolerated disagreement is the path name: the other path verifies, any other change does not."""
-    worker = Identity.generate()
-    signed = receipt_of(worker, Path.RELAY)
-    stamp = sign(worker, signed)
-    seen = dataclasses.replace(signed, path=Path.DIRECT)
-    assert verify_on_either_path(seen, stamp) == signed
-    assert verify_on_either_path(signed, stamp) == signed
-    with pytest.raises(ReceiptError, match="not signed"):
-        verify_on_either_path(dataclasses.replace(seen, price=4), stamp)
 
 
 def test_path_of_an_address_and_the_receipt_text():

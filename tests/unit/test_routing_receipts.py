@@ -63,7 +63,7 @@ def test_receipt_signature_covers_every_field():
     """A stamped receipt verifies; changing any field, or the signer, breaks it."""
     worker, backbone = Identity.generate(), Identity.generate()
     r = make_receipt(worker, backbone)
-    stamp = ReceiptStamp.decode(sign(worker, r).encode())
+    stamp = sign(worker, r)
     verify(r, stamp)
     assert r.credits == r.work_units * 2 and r.work_units == 3 * 6 * 64 * 32
     for f in dataclasses.fields(Receipt):
@@ -73,8 +73,8 @@ def test_receipt_signature_covers_every_field():
             verify(dataclasses.replace(r, **{f.name: changed}), stamp)
     with pytest.raises(ReceiptError, match="naming itself"):
         sign(backbone, r)
-    with pytest.raises(ReceiptError, match="72 bytes"):
-        ReceiptStamp.decode(b"\0" * 71)
+    with pytest.raises(ReceiptError, match="not signed"):
+        verify(r, ReceiptStamp(r.issued_at_us, bytes(64)))
 
 
 def test_price_decides_among_similar_rtt_and_max_price_filters():

@@ -138,6 +138,14 @@ SNAPSHOTS = [
         id="piece_request",
     ),
     pytest.param(Piece(16, b"\xab\xcd"), "4d5357 01 0c 0000 06000000" "10000000" "abcd", id="piece"),
+    pytest.param(
+        wire.ReceiptSignRequest((b"\x01" * 16, b"\x02" * 16)), "4d5357 01 0d 0000 22000000" "0200" + "01" * 16 + "02" * 16, id="receipt_sign_request"
+    ),
+    pytest.param(
+        wire.ReceiptBatch((b"\x01" * 16,), (b"\x0a" * 32,), b"\x5e" * 64),
+        "4d5357 01 0e 0000 72000000" "0100" + "01" * 16 + "0a" * 32 + "5e" * 64,
+        id="receipt_batch",
+    ),
     pytest.param(Unknown(0xC8, b"\xff", flags=3), "4d5357 01 c8 0300 01000000 ff", id="unknown"),
 ]
 
@@ -220,6 +228,10 @@ STRATEGIES = {
     ),
     "ping": st.builds(Ping, nonce=u64, sent_at_us=u64),
     "pong": st.builds(Pong, nonce=u64, sent_at_us=u64),
+    "receipt_sign_request": st.builds(wire.ReceiptSignRequest, st.lists(ids16, min_size=1, max_size=8, unique=True).map(tuple)),
+    "receipt_batch": st.lists(st.tuples(ids16, digests), min_size=1, max_size=8, unique_by=lambda p: p[0]).flatmap(
+        lambda pairs: st.builds(wire.ReceiptBatch, st.just(tuple(i for i, _ in pairs)), st.just(tuple(v for _, v in pairs)), st.binary(min_size=64, max_size=64))
+    ),
     "unknown": st.builds(
         Unknown,
         msg_type=st.integers(0, 255).filter(lambda t: t not in {int(m) for m in MsgType}),
@@ -240,6 +252,22 @@ def test_round_trip(kind, data):
     assert len(encoded) == message.encoded_len()
     assert decode(encoded) == message
     assert decode(bytearray(encoded)) == decode(memoryview(encoded)) == message
+
+
+def test_receipt_batch_counts_are_checked_before_reading():
+    """A sign request or batch naming more than MAX_RECEIPT_BATCH dispatches is TooLarge from its count alone (nothing
+    after it is read), none is malformed, and an id named twice is refused."""
+    for t in (MsgType.RECEIPT_SIGN_REQUEST, MsgType.RECEIPT_BATCH):
+        with pytest.raises(TooLarge, match="count"):
+            decode(wire.MAGIC + struct.pack("<BBHI", 1, t, 0, 2) + struct.pack("<H", wire.MAX_RECEIPT_BATCH + 1))
+        with pytest.raises(ProtocolError, match="count"):
+            decode(wire.MAGIC + struct.pack("<BBHI", 1, t, 0, 2) + struct.pack("<H", 0))
+    with pytest.raises(ProtocolError, match="twice"):
+        wire.ReceiptSignRequest((ID, ID))
+    with pytest.raises(ProtocolError, match="leaves"):
+        wire.ReceiptBatch((ID,), (), bytes(64))
+    ids = tuple(i.to_bytes(16, "little") for i in range(wire.MAX_RECEIPT_BATCH))
+    assert decode(wire.ReceiptSignRequest(ids).encode()) == wire.ReceiptSignRequest(ids)
 
 
 def test_largest_request_round_trips():
@@ -491,7 +519,7 @@ def test_constructor_refuses_inconsistent_requests(change, field):
     assert refused.value.field == field
 
 
-@pytest.mark.parametrize("msg_type", [0, 13, 0x7F, 0xFF])
+@pytest.mark.parametrize("msg_type", [0, 15, 0x7F, 0xFF])
 def test_unknown_type_decodes_to_unknown(msg_type):
     """A type this side does not know decodes to Unknown with its flags and body intact."""
     data = frame(msg_type, b"future", flags=0x8001)
