@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import gguf
-import pytest
+# OpenBLAS reads its thread count once, when numpy first loads it: set here, above every import that could pull numpy
+# in (gguf does), not in a hook that runs after this module. Two BLAS threads on two cores spin against each other and
+# the node processes the tests start: test_kernels.py burnt ~3x the CPU seconds. `./dev test` exports the same value.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from experts.random_model import random_config, write_random_model
-from p2p.identity import Identity
+from pathlib import Path  # noqa: E402
+
+import gguf  # noqa: E402
+import pytest  # noqa: E402
+
+from experts.random_model import random_config, write_random_model  # noqa: E402
+from p2p.identity import Identity  # noqa: E402
 
 ARCHS = ("qwen2moe", "qwen3moe", "llama")
 # Archs of issue 12: checked against llama.cpp in test_reference and through a real swarm in test_swarm_archs.
@@ -50,6 +56,3 @@ def f32_models(model_dir) -> dict[str, Path]:
     """One small F32 model per architecture (4 experts of 8 chosen: top-2 of 8)."""
     return {arch: make_model(model_dir, arch) for arch in ARCHS}
 
-
-def pytest_configure(config):
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -22,6 +22,7 @@ from node.verdicts import record_verdict
 from p2p.identity import Identity
 from tests.support import MOESWARM, until
 from tests.support.engine import kernel, local_engine
+from tests.support.swarm import Swarm
 
 pytestmark = pytest.mark.slow
 N_TOKENS = 32
@@ -63,7 +64,7 @@ def test_three_workers_bit_identical_f32_and_gated_f16(model, tmp_path):
     """32 tokens through 3 worker processes: F32 logits equal the local grouped forward bit for bit; F16 within the gate."""
     part = Partition.even(model.cfg.n_expert, 3)
     ids = Tokenizer.from_spec(model.tokenizer_spec).encode("In the beginning")
-    with Cluster(tmp_path) as cluster:
+    with Swarm(tmp_path) as cluster:
         boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
         workers = start_workers(cluster, model, boot, part.bounds, ["w0", "w1", "w2"])
         remote, moe = asyncio.run(remote_run(model, boot, ids))
@@ -86,7 +87,7 @@ def test_replica_killed_mid_generation_then_found_again(model, tmp_path):
     whole = Partition(((0, model.cfg.n_expert),))
     ids = Tokenizer.from_spec(model.tokenizer_spec).encode("And the LORD spake")
     local = [t for t, _ in local_run(model, whole, ids)]
-    with Cluster(tmp_path) as cluster:
+    with Swarm(tmp_path) as cluster:
         boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
         a, b = start_workers(cluster, model, boot, [whole.bounds[0]] * 2, ["a", "b"])
         procs = {n.name: n for n in cluster.nodes}

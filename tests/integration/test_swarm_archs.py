@@ -1,9 +1,12 @@
-"""olmoe / glm4moe / minimax-m2 / gpt-oss / deepseek2 / qwen3next / qwen35moe through a real local swarm: one worker on the full file, one on a slice file."""
+"""olmoe / glm4moe / minimax-m2 / gpt-oss / deepseek2 / qwen3next / qwen35moe through a real local swarm: one worker on the full file, one on a slice file.
+
+One bootstrap serves the whole module and each arch's two workers start once (`arch_swarm`); the demo starts its own."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,10 +17,10 @@ from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import check_slice
 from node.backbone.session import backbone_session, wait_for_hosts
-from node.launcher import Cluster
 from p2p.identity import Identity
 from tests.support import moeswarm
 from tests.support.engine import local_engine
+from tests.support.swarm import Swarm
 
 from ..conftest import ISSUE15_ARCHS, NEW_ARCHS, make_model
 
@@ -33,23 +36,35 @@ async def remote_run(model: GGUFModel, boot: str) -> list:
         return await asyncio.to_thread(lambda: list(generate(bb, PROMPT, N_TOKENS, moe.hook)))
 
 
-@pytest.mark.parametrize("arch", NEW_ARCHS + ISSUE15_ARCHS)
-def test_swarm_with_a_slice_file_generates_the_local_tokens(model_dir, tmp_path, arch):
-    """Experts 0-3 from the full file, 4-7 from a `moeswarm slice` of layers 0-2 (glm4moe's layer 0 is dense): same bits as local."""
-    model = GGUFModel(make_model(model_dir, arch, n_layer=3))
-    sl = tmp_path / "slice.gguf"
-    p = moeswarm("slice", str(model.path), "--layers", "0-2", "--experts", "4-7", "-o", str(sl))
-    assert p.returncode == 0, p.stderr
-    check_slice(GGUFModel(sl), model.digest)
-    with Cluster(tmp_path) as cluster:
-        boot = cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
-        procs = [
-            cluster.start("w0", "worker", "--model", str(model.path), "--experts", "0-3", "--bootstrap", boot),
-            cluster.start("w1", "worker", "--model", str(sl), "--bootstrap", boot),
-        ]
-        for proc in procs:
+@pytest.fixture(scope="module")
+def bootstrap(tmp_path_factory) -> Iterator[str]:
+    """One DHT bootstrap for every arch's swarm: it serves no model, and each arch's workers announce another digest."""
+    with Swarm(tmp_path_factory.mktemp("bootstrap")) as cluster:
+        yield cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
+
+
+@pytest.fixture(scope="module", params=NEW_ARCHS + ISSUE15_ARCHS)
+def arch_swarm(request, model_dir, tmp_path_factory, bootstrap) -> Iterator[GGUFModel]:
+    """Per arch, started once: a worker with experts 0-3 of the full file, one with a `moeswarm slice` of layers 0-2
+    and experts 4-7 (cut while the first one loads)."""
+    model = GGUFModel(make_model(model_dir, request.param, n_layer=3))
+    tmp = tmp_path_factory.mktemp(f"swarm-{request.param}")
+    with Swarm(tmp) as cluster:
+        full = cluster.start("w0", "worker", "--model", str(model.path), "--experts", "0-3", "--bootstrap", bootstrap)
+        sl = tmp / "slice.gguf"
+        p = moeswarm("slice", str(model.path), "--layers", "0-2", "--experts", "4-7", "-o", str(sl))
+        assert p.returncode == 0, p.stderr
+        check_slice(GGUFModel(sl), model.digest)
+        sliced = cluster.start("w1", "worker", "--model", str(sl), "--bootstrap", bootstrap)
+        for proc in (full, sliced):
             proc.wait_ready()
-        remote = asyncio.run(remote_run(model, boot))
+        yield model
+
+
+def test_swarm_with_a_slice_file_generates_the_local_tokens(arch_swarm, bootstrap):
+    """Experts 0-3 from the full file, 4-7 from a `moeswarm slice` of layers 0-2 (glm4moe's layer 0 is dense): same bits as local."""
+    model = arch_swarm
+    remote = asyncio.run(remote_run(model, bootstrap))
     bb, store = local_engine(model)
     part = Partition(((0, 4), (4, 8)))
     local = list(generate(bb, PROMPT, N_TOKENS, local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))))
