@@ -16,7 +16,7 @@ import pytest
 
 from node.ledger.store import Ledger
 from p2p.identity import Identity
-from tests.support import moeswarm
+from tests.support import moeswarm, until
 from tests.unit.test_ledger import make_receipt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +34,22 @@ def ack_child(path: str, n: int) -> None:
         time.sleep(600)
 
 
+def sink_child(path: str, n: int) -> None:
+    """Hand *n* receipts to a LedgerSink, print "sent" and wait to be killed (its writer process lives on)."""
+    from node.ledger.sink import LedgerSink
+    from node.logs import configure_logging
+
+    configure_logging("warning")  # stdout carries only "sent"
+    backbone = Identity.load_or_create(Path(path).parent / "backbone.pem")
+    worker = Identity.generate()
+    receipts = [make_receipt(worker, backbone, i) for i in range(n)]
+    sink = LedgerSink(path, "backbone", backbone)
+    for r, stamp in receipts:
+        sink.receipt(r, stamp)
+    print("sent", sink._proc.pid, flush=True)
+    time.sleep(600)
+
+
 def run_child(call: str, until_line: str) -> tuple[subprocess.Popen, list[str]]:
     """Start a child running *call*; return it once it printed *until_line* (and that line's words)."""
     child = subprocess.Popen([sys.executable, "-c", f"from tests.integration.test_ledger_loss import *; {call}"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -43,6 +59,14 @@ def run_child(call: str, until_line: str) -> tuple[subprocess.Popen, list[str]]:
         kill(child)
         raise AssertionError(f"the child printed {line!r}, not {until_line!r}")
     return child, line
+
+
+def alive(pid: int) -> bool:
+    """Whether *pid* still runs (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def kill(child: subprocess.Popen) -> None:
@@ -172,3 +196,54 @@ def test_an_undamaged_ledger_verifies_after_60_sigkills(tmp_path):
             assert acked <= {(str(e.seq), e.event.ref.dispatch_id) for e in led.entries()}
     out = moeswarm("ledger", "verify", "--ledger", str(path), cwd=ROOT, timeout=60)
     assert out.returncode == 0 and re.match(r"ok: \d+ entries", out.stdout), out
+
+
+def test_receipts_handed_to_a_sink_survive_a_sigkill_of_the_node(tmp_path):
+    """The node (the sink's process) is SIGKILLed right after handing over 200 receipts: its writer process commits
+    every one of them before it exits, and the ledger verifies."""
+    path = tmp_path / "ledger.sqlite"
+    node, (_, writer_pid) = run_child(f"sink_child({str(path)!r}, 200)", "sent")
+    writer = int(writer_pid)
+    kill(node)
+    until(lambda: not alive(writer), timeout=60, interval=0.2, what="the writer committing and exiting")
+    with Ledger(path) as led:
+        assert led.verify().ok and len(led) == 200
+
+
+def test_a_sink_counts_what_its_writer_refused_and_logs_it_as_the_nodes_own(tmp_path):
+    """A replayed receipt handed to a sink: the writer process refuses it, the node's log has ledger.append_failed
+    (forwarded from the writer) and the sink counts 3 acknowledged, 1 failed; the ledger verifies with 3 entries."""
+    from structlog.testing import capture_logs
+
+    from node.ledger.sink import LedgerSink
+
+    backbone, worker = Identity.generate(), Identity.generate()
+    path = tmp_path / "ledger.sqlite"
+    with capture_logs() as logs:
+        sink = LedgerSink(path, "backbone", backbone)
+        for i in (0, 1, 2, 1):
+            sink.receipt(*make_receipt(worker, backbone, i))
+        sink.close()
+    assert (sink.acknowledged, sink.failed) == (3, 1)
+    events = [e["event"] for e in logs]
+    assert "ledger.created" in events and events.count("ledger.append_failed") == 1, logs
+    with Ledger(path) as led:
+        assert led.verify().ok and len(led) == 3
+
+
+def test_a_sink_whose_writer_died_counts_every_receipt_lost_in_one_log_line(tmp_path):
+    """The writer process SIGKILLed under a running node: the node keeps going, each later receipt counts as failed
+    and the log says so once (not once per receipt); close() still returns."""
+    from structlog.testing import capture_logs
+
+    from node.ledger.sink import LedgerSink
+
+    backbone, worker = Identity.generate(), Identity.generate()
+    sink = LedgerSink(tmp_path / "ledger.sqlite", "backbone", backbone)
+    os.kill(sink._proc.pid, signal.SIGKILL)
+    sink._proc.wait()
+    with capture_logs() as logs:
+        for i in range(5):
+            sink.receipt(*make_receipt(worker, backbone, i))
+        sink.close()
+    assert sink.failed == 5 and [e["event"] for e in logs].count("ledger.writer_gone") == 1, logs
