@@ -124,7 +124,9 @@ def show_cmd(ledger_path: str | None, role: str | None, peer: str | None, since:
 @ledger_opt
 @role_opt
 def verify_cmd(ledger_path: str | None, role: str | None) -> None:
-    """Check the whole hash chain, the signed head and every signature; exit 1 naming the first bad entry."""
+    """Check the whole hash chain, the signed head and every signature, and the chain's end against the head record
+    beside the file (LEDGER.head, fsynced at every commit); exit 1 naming the first bad entry, or how many
+    acknowledged entries are missing (a damaged or lost WAL, a file restored from an older copy)."""
     with Ledger(find_ledger(ledger_path, role)) as ledger:
         report = ledger.verify()
     click.echo(str(report))

@@ -365,6 +365,8 @@ class VerifyReport:
     bad_seq: int | None = None
     problem: str | None = None
     archived: int = 0  # entries 1..archived were compacted into the signed checkpoint the chain starts from
+    missing: int = 0  # acknowledged entries (by the head record beside the file) that the file no longer holds
+    notes: tuple[str, ...] = ()  # what an ok ledger's reader should still know (losses recovered from, no head record)
 
     @property
     def ok(self) -> bool:
@@ -373,7 +375,10 @@ class VerifyReport:
     def __str__(self) -> str:
         if self.ok:
             kept = f"; entries 1-{self.archived} archived under its signed checkpoint" if self.archived else ""
-            return f"ok: {self.entries} entries of the {self.role} ledger of {self.owner}{kept}; chain, head and every signature check out"
+            notes = "".join(f"; {n}" for n in self.notes)
+            return f"ok: {self.entries} entries of the {self.role} ledger of {self.owner}{kept}; chain, head and every signature check out{notes}"
+        if self.missing:
+            return f"lost {self.missing} acknowledged entries: {self.problem}"
         return f"entry {self.bad_seq}: {self.problem}"
 
 

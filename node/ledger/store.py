@@ -1,8 +1,18 @@
 """The paid-work ledger file: SQLite storage for the hash-chained entries of :mod:`node.ledger.entries`.
 
-WAL with ``synchronous=FULL``: an append that returned survives a crash. Appends come in
-batches, one transaction each, and the owner re-signs the head after every batch; reads
-verify the chain and the head (see the entries module for the theory of operation).
+What "acknowledged" promises. Appends come in batches (a group commit: one transaction for
+everything the writer has queued, :mod:`node.ledger.sink`), and the owner re-signs the head
+after every batch. The database runs in WAL mode with ``synchronous=FULL``: the COMMIT returns
+once the batch's WAL frames are fsynced. The signed head is then written to the head record
+beside the file and fdatasynced (:mod:`node.ledger.headfile`); only then does
+:meth:`Ledger.append_batch` return and its entries count as acknowledged. So an acknowledged
+entry survives a crash or power cut of this machine, and if it is lost anyway (a damaged,
+truncated or deleted WAL, a file restored from an older copy) :meth:`Ledger.verify` says how
+many acknowledged entries are gone instead of checking the shorter chain that is left.
+
+Opening a ledger to append to it recovers from such a loss: the intact prefix SQLite kept
+stays, the lost head is recorded as evidence in the ``loss`` table (``verify`` keeps naming
+it) and logged as ``ledger.loss_recovered``, and the record moves to the chain's real end.
 """
 
 from __future__ import annotations
@@ -17,11 +27,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
 
 import structlog
 
+from node.ledger import headfile
 from node.ledger.checkpoint import CLOCK_SKEW_US, DISPUTE_WINDOW_S, Checkpoint, DayTotals, Span, archive_digest, day_of, merge_totals, settled_prefix
 from node.ledger.entries import (  # noqa: F401  (re-exported: the ledger's public names)
     APPLICATION_ID,
@@ -93,6 +105,8 @@ _WITNESS_TABLES = (
     "CREATE TABLE IF NOT EXISTS witness (peer TEXT PRIMARY KEY, head TEXT NOT NULL, at_us INTEGER NOT NULL)",
     "CREATE TABLE IF NOT EXISTS witness_conflict (held TEXT NOT NULL, got TEXT NOT NULL, verdict TEXT NOT NULL, at_us INTEGER NOT NULL)",
 )
+# A head this ledger acknowledged and then lost (see headfile), kept when the writer recovered from it
+_LOSS_TABLE = "CREATE TABLE IF NOT EXISTS loss (held TEXT NOT NULL, found_seq INTEGER NOT NULL, at_us INTEGER NOT NULL)"
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM entries"
 _SPANS = (  # per dispatch: its first and last entry, the status after the last and when that was recorded
     "SELECT s.first, s.last, x.status, x.created_at_us FROM (SELECT MIN(seq) AS first, MAX(seq) AS last FROM entries"
@@ -125,11 +139,7 @@ def _write_durably(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    headfile.sync_dir(path.parent)
 
 
 class Ledger:
@@ -143,6 +153,8 @@ class Ledger:
     def __init__(self, path: str | Path, role: str | None = None, identity: Identity | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self.path, self.identity, self.clock = Path(path), identity, clock
         self._lock = threading.Lock()
+        self._record: headfile.HeadRecord | None = None
+        self.recovered: headfile.Loss | None = None  # the loss this writer found and recovered from on opening
         want = Role(role) if role is not None else None
         exists = self.path.is_file()
         if not exists and (identity is None or self.path.exists()):
@@ -168,9 +180,35 @@ class Ledger:
                     raise LedgerError(f"{self.path} belongs to {self.owner}, not to this node ({identity.peer_id})")
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
+                self._open_record()
         except BaseException:
             self._db.close()
             raise
+
+    def _open_record(self) -> None:
+        """Open the head record for appending: create it, or recover from a loss it reveals (module docstring)."""
+        path, now = headfile.record_path(self.path), self._head()
+        try:
+            got = headfile.read(path)
+        except headfile.HeadRecordError as exc:  # nothing to compare with: start a new record, and say so
+            log.warning("ledger.head_record_replaced", path=str(path), error=str(exc))
+            got = None
+        if got is None:
+            self._record = headfile.HeadRecord.create(path, now)
+            return
+        generation, held = got
+        if (held.role, held.owner) != (self.role, self.owner):
+            raise LedgerError(f"the head record {path} belongs to the {held.role} ledger of {held.owner}, not to {self.path}")
+        self._record = headfile.HeadRecord(path, generation)
+        loss = headfile.compare(held, now, self._hash_at(held.seq) if held.seq <= now.seq else UNKNOWN)
+        if loss is not None:
+            with self._transaction():
+                self._db.execute(_LOSS_TABLE)
+                self._db.execute("INSERT INTO loss VALUES (?, ?, ?)", (held.encode(), now.seq, int(self.clock() * 1e6)))
+            self.recovered = loss
+            log.warning("ledger.loss_recovered", path=str(self.path), missing=loss.missing, acknowledged_seq=held.seq, kept_seq=now.seq, problem=str(loss))
+        if held != now:
+            self._record.write(now)
 
     def _create(self, role: Role, identity: Identity) -> None:
         owner = str(identity.peer_id)
@@ -211,6 +249,8 @@ class Ledger:
 
     def close(self) -> None:
         self._db.close()
+        if self._record is not None:
+            self._record.close()
 
     def __enter__(self) -> Ledger:
         return self
@@ -249,35 +289,43 @@ class Ledger:
         identity, events = self._writer(), list(events)
         if not events:
             return []
-        out: list[Entry] = []
-        with self._lock, self._transaction():
-            seq, prev = self._db.execute("SELECT seq, hash FROM head WHERE id = 1").fetchone()
-            now_us = int(self.clock() * 1e6)
-            checkpoint = self._checkpoint()
-            for ev in events:
-                if checkpoint and ev.receipt and ev.receipt.issued_at_us <= checkpoint.cutoff_us + CLOCK_SKEW_US:
-                    raise ReplayError(
-                        f"receipt {ev.ref.dispatch_id} was issued before this ledger's checkpoint (entries up to"
-                        f" {checkpoint.through_seq} are archived): a dispatch that old cannot be told from a replay"
-                    )
-                before, receipt_seq = self._state(ev.ref)
-                status = check_rules(ev, self.role, self.owner, before)
-                if check_signatures:
-                    verify_signatures(ev, self._event_at(receipt_seq) if ev.kind is Kind.COUNTERSIGN else None)
-                entry = Entry(seq + 1, prev, self.role, status, now_us, ev)
-                try:
-                    self._db.execute(_INSERT, entry.row())
-                except sqlite3.IntegrityError as exc:
-                    raise ReplayError(f"dispatch {ev.ref.dispatch_id} already has a {ev.kind} entry ({exc})") from None
-                seq, prev = entry.seq, entry.entry_hash
-                out.append(entry)
-            sig = identity.sign(head_bytes(self.role, self.owner, seq, prev))
-            self._db.execute("UPDATE head SET seq = ?, hash = ?, signature = ? WHERE id = 1", (seq, prev, sig))
+        with self._lock:
+            with self._transaction():
+                out, head = self._insert(identity, events, check_signatures)
+            assert self._record is not None, "every writer opens the head record"
+            self._record.write(head)  # after the COMMIT: from now on the batch is acknowledged
         for e in out:
             if e.event.kind is Kind.DISPUTE:
                 ref = e.event.ref
                 log.info("ledger.dispute_recorded", dispatch_id=ref.dispatch_id, worker=ref.worker, backbone=ref.backbone, reason=e.event.note)
         return out
+
+    def _insert(self, identity: Identity, events: list[Event], check_signatures: bool) -> tuple[list[Entry], SignedHead]:
+        """Chain *events* after the head and re-sign it (inside the caller's transaction); the entries and the new head."""
+        out: list[Entry] = []
+        seq, prev = self._db.execute("SELECT seq, hash FROM head WHERE id = 1").fetchone()
+        now_us = int(self.clock() * 1e6)
+        checkpoint = self._checkpoint()
+        for ev in events:
+            if checkpoint and ev.receipt and ev.receipt.issued_at_us <= checkpoint.cutoff_us + CLOCK_SKEW_US:
+                raise ReplayError(
+                    f"receipt {ev.ref.dispatch_id} was issued before this ledger's checkpoint (entries up to"
+                    f" {checkpoint.through_seq} are archived): a dispatch that old cannot be told from a replay"
+                )
+            before, receipt_seq = self._state(ev.ref)
+            status = check_rules(ev, self.role, self.owner, before)
+            if check_signatures:
+                verify_signatures(ev, self._event_at(receipt_seq) if ev.kind is Kind.COUNTERSIGN else None)
+            entry = Entry(seq + 1, prev, self.role, status, now_us, ev)
+            try:
+                self._db.execute(_INSERT, entry.row())
+            except sqlite3.IntegrityError as exc:
+                raise ReplayError(f"dispatch {ev.ref.dispatch_id} already has a {ev.kind} entry ({exc})") from None
+            seq, prev = entry.seq, entry.entry_hash
+            out.append(entry)
+        sig = identity.sign(head_bytes(self.role, self.owner, seq, prev))
+        self._db.execute("UPDATE head SET seq = ?, hash = ?, signature = ? WHERE id = 1", (seq, prev, sig))
+        return out, SignedHead(self.role, self.owner, seq, prev, sig)
 
     def _writer(self) -> Identity:
         if self.identity is None:
@@ -372,19 +420,49 @@ class Ledger:
         return after[0]
 
     def verify(self) -> VerifyReport:
-        """Walk the whole chain and every signature in one snapshot; the report names the first bad entry."""
+        """Walk the whole chain and every signature in one snapshot, then hold the chain's end against the head
+        record beside the file: the report names the first bad entry, or how many acknowledged entries are gone."""
         self._checker = ChainChecker(self.role, self.owner, self._event_at)
+        notes: list[str] = []
+        loss, record_problem = None, None
+        try:  # before the snapshot: a writer records a head only once it is committed
+            record = headfile.read(headfile.record_path(self.path))
+        except headfile.HeadRecordError as exc:
+            record, record_problem = None, str(exc)
         try:
             with self._lock, self._transaction("DEFERRED"):
                 archived = self._check_chain()
+                if record is not None:
+                    loss = headfile.compare(record[1], self._head(), self._hash_at(record[1].seq))
+                notes += self._losses()
         except sqlite3.DatabaseError as exc:  # bytes edited in the file itself, below the rows
             bad = ChainError(self._checker.seq + 1, f"unreadable: {exc}")
         except ChainError as exc:
             bad = exc
         else:
-            return VerifyReport(self.role.value, self.owner, self._checker.seq - archived, archived=archived)
-        log.warning("ledger.verify_failed", path=str(self.path), seq=bad.seq, problem=bad.problem)
-        return VerifyReport(self.role.value, self.owner, self._checker.seq, bad.seq, bad.problem)
+            if loss is None and record_problem is None:
+                if record is None:
+                    notes.append(f"no head record ({headfile.record_path(self.path).name}) beside it, so a loss of acknowledged entries would not show")
+                return VerifyReport(self.role.value, self.owner, self._checker.seq - archived, archived=archived, notes=tuple(notes))
+            if loss is not None:
+                bad = ChainError(loss.found_seq + 1 if loss.missing else loss.held.seq, str(loss))
+            else:
+                bad = ChainError(self._checker.seq, f"{record_problem}")
+        missing = loss.missing if loss else 0
+        log.warning("ledger.verify_failed", path=str(self.path), seq=bad.seq, problem=bad.problem, missing=missing)
+        return VerifyReport(self.role.value, self.owner, self._checker.seq, bad.seq, bad.problem, missing=missing)
+
+    def _losses(self) -> list[str]:
+        """The losses a writer recovered from (see _open_record), as verify reports them."""
+        if not self._has("loss"):
+            return []
+        out = []
+        for held, found, at_us in self._db.execute("SELECT held, found_seq, at_us FROM loss ORDER BY rowid").fetchall():
+            loss = headfile.Loss(SignedHead.decode(held), found)
+            when = datetime.fromtimestamp(at_us / 1e6, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            what = f"{loss.missing} acknowledged entries (entries {found + 1}-{loss.held.seq})" if loss.missing else f"a rewrite of acknowledged entry {loss.held.seq}"
+            out.append(f"recovered on {when} from the loss of {what}: the chain goes on from entry {found}")
+        return out
 
     def compact(self, *, window_s: float = DISPUTE_WINDOW_S, archive_dir: Path | None = None) -> CompactReport:
         """Move the settled prefix of the chain to a gzipped JSONL archive and replace it by a signed checkpoint.
@@ -437,16 +515,22 @@ class Ledger:
     def head(self) -> SignedHead:
         """This ledger's head as its owner signed it: what the counterparties keep."""
         with self._reading():
-            role, owner, seq, h, sig = self._db.execute("SELECT role, owner, seq, hash, signature FROM head WHERE id = 1").fetchone()
+            return self._head()
+
+    def _head(self) -> SignedHead:
+        role, owner, seq, h, sig = self._db.execute("SELECT role, owner, seq, hash, signature FROM head WHERE id = 1").fetchone()
         return SignedHead(Role(role), owner, seq, h, sig)
 
     def hash_at(self, seq: int) -> bytes:
         """The hash of entry *seq* (the checkpoint's for its last archived entry); witness.UNKNOWN if not in the chain."""
         with self._reading():
-            row = self._db.execute("SELECT entry_hash FROM entries WHERE seq = ?", (seq,)).fetchone()
-            checkpoint = self._checkpoint() if row is None else None
+            return self._hash_at(seq)
+
+    def _hash_at(self, seq: int) -> bytes:
+        row = self._db.execute("SELECT entry_hash FROM entries WHERE seq = ?", (seq,)).fetchone()
         if row is not None:
             return row[0]
+        checkpoint = self._checkpoint()
         return checkpoint.through_hash if checkpoint and checkpoint.through_seq == seq else UNKNOWN
 
     def witnessed(self, peer: str) -> SignedHead | None:

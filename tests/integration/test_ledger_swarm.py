@@ -125,7 +125,8 @@ def test_a_worker_ledger_restored_from_an_older_copy_is_flagged_by_its_backbone(
         for suffix in ("", "-wal", "-shm"):
             (tmp_path / "w" / f"ledger.sqlite{suffix}").unlink(missing_ok=True)
         backup(tmp_path / "old.sqlite", wled)
-        assert cli("ledger", "verify", "--ledger", str(wled)).returncode == 0  # alone, the old copy checks out
+        alone = cli("ledger", "verify", "--ledger", str(wled))  # the worker's own head record names the lost entries
+        assert alone.returncode == 1 and alone.stdout.startswith("lost ") and "acknowledged entries" in alone.stdout, alone
         cluster.start("w", "worker", "--model", str(EMBEDDED_MODEL), "--bootstrap", boot).wait_ready()
         third = generate()
     assert "ledger.rollback_detected" in third.stdout + third.stderr, third.stderr[-2000:]
