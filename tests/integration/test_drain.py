@@ -97,6 +97,7 @@ def test_sigterm_with_a_dispatch_in_flight_loses_nothing(model, tmp_path, monkey
                 await wait_for_hosts(moe, model.layers, 2, 60)
                 await async_until(lambda: victim_id in moe.router.health, timeout=60)  # vetted (pinged), not only announced
                 moe.router.health[victim_id].rtt_ms = 0.0  # the victim takes the first dispatch
+                moe.router.unmeasured_compute_ms = None  # and is waited on for it (DELAY_S), not cut at its ping's deadline
                 bb = Backbone(model, k)
                 out = await asyncio.to_thread(lambda: [t for t, _ in generate(bb, ids, N_TOKENS, moe.hook)])
                 return out, moe
