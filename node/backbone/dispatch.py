@@ -496,8 +496,13 @@ class RemoteMoE:
         if self.heads:
             self.heads.after_dispatch(item.host)
 
-    def _unsigned(self, host: Host, items: tuple[Pending[Host], ...], reason: str) -> None:
-        """*host* left receipts unsigned past their deadline, or signed something else: convicted as a caught cheat.
+    def _unsigned(self, host: Host, items: tuple[Pending[Host], ...], reason: str, reached: bool) -> None:
+        """*host* left receipts unsigned past their deadline, or signed something else: its receipts are disputed
+        and the sums rolled back as for a caught cheat. A worker that answered with anything but a valid signature is
+        banned; one that never answered (it crashed, its relay restarted, its path broke, or it stays silent on
+        purpose) is benched like a failed dispatch instead, the bench doubling per failure: banning it would buy
+        nothing (nothing unsigned is paid, its sums are recomputed) and would keep an honest worker out for a minute
+        after every network blip.
         Receipts disputed already (their worker convicted while they waited) are no new offence; a reply that was in
         flight at a conviction is (its sums were used after the culprit was named: naming it again rolls them back)."""
         items = tuple(p for p in items if p.dispute is None)
@@ -505,8 +510,9 @@ class RemoteMoE:
             return
         self.checker.unsigned += 1  # batches whose worker was convicted for them
         disputes = [Dispute(p.receipt, float("nan"), float("nan"), reason=f"unsigned: {reason}") for p in items]
-        ban = self._convict(host, disputes, f"worker left dispatch {items[0].receipt.dispatch_id} unsigned: {reason}"[:1000])
-        log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=items[0].receipt.dispatch_id, layer=items[0].receipt.layer, unsigned=len(items), reason=reason, banned_s=ban)
+        ban = self._convict(host, disputes, f"worker left dispatch {items[0].receipt.dispatch_id} unsigned: {reason}"[:1000], ban=reached)
+        log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=items[0].receipt.dispatch_id, layer=items[0].receipt.layer, unsigned=len(items), reason=reason,
+                    **({"banned_s": ban} if reached else {"benched_s": ban}))
 
     async def _repriced(self, host: Host, layer: int) -> int | None:
         """The price *host*'s fresh record asks, if it re-priced since our cached lookup (it signs its new price)."""
@@ -595,14 +601,17 @@ class RemoteMoE:
         self.signatures.add(host, receipt, dispute=reason)
         log.warning("receipt.disputed", peer=str(host.peer_id), dispatch_id=receipt.dispatch_id, layer=layer, max_abs_diff=result.max_abs_diff, min_cosine=result.min_cosine, banned_s=ban)
 
-    def _convict(self, host: Host, disputes: list[Dispute], earlier_reason: str) -> float:
-        """Ban *host*, name it a culprit (sequences that used its unchecked sums roll back), and dispute *disputes*
-        and every earlier receipt of it in the session: paid ones in the ledger now, unsigned ones once signed.
-        Returns the ban's seconds."""
+    def _convict(self, host: Host, disputes: list[Dispute], earlier_reason: str, *, ban: bool = True) -> float:
+        """Ban *host* (or with ``ban=False`` only bench it), name it a culprit (sequences that used its unchecked
+        sums roll back), and dispute *disputes* and every earlier receipt of it in the session: paid ones in the
+        ledger now, unsigned ones once signed. Returns the ban's (or bench's) seconds."""
         worker = str(host.peer_id)
         self.checker.culprits.append(worker)
-        ban = self.checker.ban_for(worker)
-        self.router.ban(host.peer_id, time.monotonic(), ban)
+        if ban:
+            seconds = self.checker.ban_for(worker)
+            self.router.ban(host.peer_id, time.monotonic(), seconds)
+        else:
+            seconds = self.router.unreachable(host.peer_id, time.monotonic())
         earlier = [r for r in self.receipts if r.worker == worker]
         self.receipts = deque((r for r in self.receipts if r.worker != worker), maxlen=KEEP_RECENT)
         judged = {d.receipt.dispatch_id for d in disputes} | {d.receipt.dispatch_id for d in self.disputes if d.receipt.worker == worker}
@@ -611,7 +620,7 @@ class RemoteMoE:
         if self.ledger:
             for r in earlier:
                 self.ledger.dispute(r, earlier_reason)
-        return ban
+        return seconds
 
     def _rebuild_receipt(self, host: Host, req: wire.DispatchRequest, data: bytes, msg: wire.DispatchReply, path: Path) -> Receipt:
         """The receipt the worker will sign for this dispatch (its issue time from the reply; the price from its

@@ -275,6 +275,16 @@ class Router:
                 restored.append(peer)
         return restored
 
+    def unreachable(self, peer: PeerId, now: float) -> float:
+        """*peer* could not be reached to sign its receipts: benched as after a failed dispatch (no dispatch of ours is
+        in flight for it); returns the seconds to its next probe."""
+        h = self.health[peer]
+        h.failures += 1
+        h.probing = False
+        wait = BENCH.delay(h.failures - 1)
+        h.benched_until = max(h.benched_until, now + wait)
+        return wait
+
     def failed(self, peer: PeerId, now: float, *, timed_out: bool = False) -> float:
         """Bench the host (demote it after ``DEMOTE_AFTER`` consecutive timeouts); returns the seconds to its next probe."""
         h = self.health[peer]

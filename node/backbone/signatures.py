@@ -31,7 +31,7 @@ log = structlog.get_logger("node.backbone.signatures")
 RETRY_S = 0.2  # pause between attempts after a transport error, within the batch's deadline
 
 Signed = Callable[[Pending[Host], ReceiptStamp], None]
-Unsigned = Callable[[Host, tuple[Pending[Host], ...], str], None]
+Unsigned = Callable[[Host, tuple[Pending[Host], ...], str, bool], None]  # ..., reason, whether the worker was reached
 Repriced = Callable[[Host, int], Awaitable[int | None]]  # (host, layer) -> the price its fresh record asks, if another
 
 
@@ -87,7 +87,7 @@ class SignatureCollector:
     async def _collect(self, batch: Batch[Host]) -> None:
         host = batch.items[0].host
         try:
-            reply, problem = await self._request(host, batch)
+            reply, problem, reached = await self._request(host, batch)
             signed: tuple[tuple[Pending[Host], ReceiptStamp], ...]
             if reply is not None:
                 verdict = judge(batch, reply.dispatch_ids, reply.leaves, reply.signature, _variants)
@@ -98,7 +98,7 @@ class SignatureCollector:
                 signed, unsigned = (), batch.items
             if unsigned:
                 log.warning("receipt.unsigned", peer=batch.worker, dispatches=len(unsigned), batch=len(batch.items), reason=problem)
-                self._unsigned(host, unsigned, problem)
+                self._unsigned(host, unsigned, problem, reached)
             if signed:
                 self.batches += 1
                 log.debug("receipt.batch_verified", peer=batch.worker, dispatches=len(signed))
@@ -107,8 +107,11 @@ class SignatureCollector:
         finally:
             self.pending.done(batch)
 
-    async def _request(self, host: Host, batch: Batch[Host]) -> tuple[wire.ReceiptBatch | None, str]:
-        """The worker's answer by the batch's deadline, or None and why not."""
+    async def _request(self, host: Host, batch: Batch[Host]) -> tuple[wire.ReceiptBatch | None, str, bool]:
+        """The worker's answer by the batch's deadline, or None and why not; and whether the worker answered at all.
+
+        Silence (timeouts, a lost connection, a relay down) cannot be told apart from a broken path: the caller
+        benches such a worker rather than banning it; an answer that is not a valid signature is the worker's own."""
         req = wire.ReceiptSignRequest(tuple(bytes.fromhex(p.receipt.dispatch_id) for p in batch.items)).encode()
         problem = "no answer"
         while (left := batch.deadline - self.clock()) > 0:
@@ -121,11 +124,11 @@ class SignatureCollector:
             try:
                 msg = wire.decode(raw.data)
             except wire.ProtocolError as exc:
-                return None, f"malformed answer: {exc}"
+                return None, f"malformed answer: {exc}", True
             if isinstance(msg, wire.ReceiptBatch):
-                return msg, ""
-            return None, f"worker error {msg.code.name}: {msg.message}" if isinstance(msg, wire.ErrorReply) else f"answered {type(msg).__name__}"
-        return None, f"no batch signature within {self.pending.deadline:.2f} s ({problem})"
+                return msg, "", True
+            return None, f"worker error {msg.code.name}: {msg.message}" if isinstance(msg, wire.ErrorReply) else f"answered {type(msg).__name__}", True
+        return None, f"no batch signature within {self.pending.deadline:.2f} s ({problem})", False
 
 
 def _report(task: asyncio.Task) -> None:
