@@ -60,9 +60,9 @@ def generate_json(boot: str, tmp_path: Path, name: str, tokens: int, *extra: str
 
 
 @pytest.mark.parametrize("mode", ["never", "forge"])
-def test_a_worker_that_does_not_sign_is_caught_banned_unpaid_and_rolled_back(tmp_path, mode):
+def test_a_worker_that_does_not_sign_is_caught_unpaid_and_rolled_back(tmp_path, mode):
     """A worker answering right sums but never signing their receipts (`never`: the deadline passes) or signing them
-    with another key (`forge`) is convicted, banned, its sums rolled back: the tokens equal the local run, and
+    with another key (`forge`) is convicted (banned for a forgery, benched for silence), its sums rolled back: the tokens equal the local run, and
     neither ledger holds an entry of its dispatches (both verify)."""
     model = GGUFModel(EMBEDDED_MODEL)
     want = local_tokens(model, 24)
