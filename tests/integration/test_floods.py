@@ -19,7 +19,6 @@ import pytest
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
 
 from experts import codecs
 from experts.codecs import Codec
@@ -34,6 +33,7 @@ from p2p.quic_errors import ErrorCode
 from relay.client import RelayClient
 from relay.protocol import SUBPROTOCOL
 from tests.support.engine import kernel
+from tests.support.idle_sockets import closed_by_peer
 from tests.support.processes import wait_for_log
 
 pytestmark = pytest.mark.slow
@@ -268,15 +268,7 @@ def test_idle_websockets_do_not_keep_a_real_client_out(tmp_path):
                         break
                 async with RelayClient(Identity.generate(), url) as client:
                     await client.wait_connected(15)
-                closed = 0
-                for ws in idle:
-                    try:
-                        async with asyncio.timeout(0.01):
-                            while True:
-                                await ws.recv()
-                    except (ConnectionClosed, TimeoutError):
-                        pass
-                    closed += ws.close_code is not None
+                closed = await closed_by_peer(idle)
                 return len(idle), closed
             finally:
                 await asyncio.gather(*(ws.close() for ws in idle), return_exceptions=True)

@@ -9,10 +9,11 @@ import time
 
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import InvalidStatus
 
 from node.launcher import Cluster
 from relay.protocol import SUBPROTOCOL
+from tests.support.idle_sockets import closed_by_peer
 from tests.support.processes import wait_for_log
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,7 @@ def test_a_thousand_evicted_relay_connections_write_a_bounded_log(tmp_path):
         url = relay.wait_ready()["url"]
 
         async def attack() -> int:
-            idle, evicted = [], 0
+            idle: list = []
             deadline = time.monotonic() + 120
             try:
                 for _ in range(MAX_CLIENTS + EVICTIONS):
@@ -39,15 +40,7 @@ def test_a_thousand_evicted_relay_connections_write_a_bounded_log(tmp_path):
                         raise AssertionError(f"refused instead of evicting: {exc}") from None
                     if time.monotonic() > deadline:
                         break
-                for ws in idle:
-                    try:
-                        async with asyncio.timeout(0.01):
-                            while True:
-                                await ws.recv()
-                    except (ConnectionClosed, TimeoutError):
-                        pass
-                    evicted += ws.close_code is not None
-                return evicted
+                return await closed_by_peer(idle)
             finally:
                 await asyncio.gather(*(ws.close() for ws in idle), return_exceptions=True)
 
