@@ -328,7 +328,7 @@ class Swarm:
         self.net.peers[peer.id] = peer
         return peer
 
-    async def join(self, nursery: trio.Nursery, peer: SimPeer) -> None:
+    async def join(self, peer: SimPeer) -> None:
         """Enter through a random live server (its bootstrap), walk to our own id, run upkeep, maybe announce."""
         servers = [p for p in self.live if not p.client]
         self.live.append(peer)
@@ -340,7 +340,7 @@ class Swarm:
                 entry.table.add(peer.id, peer.key, self.net.alive)
             for found in await peer.walk_closest(peer.id.to_bytes()):
                 peer.table.add(found, self.net.peers[found].key, self.net.alive)
-        nursery.start_soon(self._run, peer)
+        self.nursery.start_soon(self._run, peer)
 
     async def _run(self, peer: SimPeer) -> None:
         with peer.scope:
@@ -372,7 +372,7 @@ class Swarm:
                 ages = [trio.current_time() - (p.announced_at or 0.0) for p in self.live]
                 victim = self.rng.choices(self.live, weights=[1.0 / (a + scale) for a in ages])[0]
                 self.leave(victim)
-                nursery.start_soon(self.join, self.nursery, self.new_peer())
+                nursery.start_soon(self.join, self.new_peer())
             await trio.sleep(0)
 
 
@@ -424,10 +424,10 @@ async def _main(opts: Options) -> dict:
     swarm = Swarm(opts, rng, net)
     async with trio.open_nursery() as nursery:
         swarm.nursery = nursery
-        await swarm.join(nursery, swarm.new_peer())  # the first node: everyone's entry at first
+        await swarm.join(swarm.new_peer())  # the first node: everyone's entry at first
         for _ in range(opts.nodes - 1):  # growth over grow_s, each newcomer joining through a live server
             await trio.sleep(opts.grow_s / opts.nodes)
-            nursery.start_soon(swarm.join, nursery, swarm.new_peer())
+            nursery.start_soon(swarm.join, swarm.new_peer())
         await trio.sleep(opts.settle_s)
         start, net.counting_upkeep = trio.current_time(), True
         net.upkeep_messages = 0
