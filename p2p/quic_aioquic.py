@@ -16,8 +16,10 @@ from typing import Any
 
 import aioquic.quic.stream
 import aioquic.tls
+from aioquic.quic.congestion.base import K_GRANULARITY
 from aioquic.quic.connection import QuicConnection, QuicConnectionState
 from aioquic.quic.events import ConnectionTerminated
+from aioquic.tls import Epoch
 from cryptography.hazmat.primitives.serialization import Encoding
 
 
@@ -39,9 +41,9 @@ def _load_pristine_get_frame() -> Callable[..., Any]:
 
 def _check_aioquic_internals() -> None:
     """Fail at import, not mid-handshake, if aioquic no longer has the private hooks we rely on."""
-    hooks = ("_initialize", "_write_crypto_frame", "_write_stream_frame", "_write_stream_limits", "_write_connection_limits")
+    hooks = ("_initialize", "_write_application", "_write_ack_frame", "_payload_received", "_write_crypto_frame", "_write_stream_frame", "_write_stream_limits", "_write_connection_limits")
     missing = [name for name in hooks if not hasattr(QuicConnection, name)]
-    wanted_state = ("_close_event", "_local_max_data", "_local_max_streams_bidi", "_state", "_streams")
+    wanted_state = ("_ack_delay", "_close_event", "_local_max_data", "_local_max_streams_bidi", "_spaces", "_state", "_streams")
     missing += [n for n in wanted_state if n not in QuicConnection.__init__.__code__.co_names]
     names = aioquic.tls.Context.__init__.__code__.co_names
     wanted = ("_request_client_certificate", "_peer_certificate", "_peer_certificate_chain")
@@ -51,6 +53,9 @@ def _check_aioquic_internals() -> None:
 
 
 _check_aioquic_internals()
+# How long a lone ACK may wait for data to ride on (aioquic: 1 ms; it advertises max_ack_delay 25 ms, which peers add
+# to their loss timers, so anything below that is safe). See ``AuthQuicConnection`` for why.
+ACK_DELAY = 0.010
 _GET_FRAME = _load_pristine_get_frame()
 
 
@@ -63,18 +68,63 @@ class AuthQuicConnection(QuicConnection):
     """A ``QuicConnection`` whose server requests a client certificate, whose streams ignore monkey-patches, and
     whose stream receive windows stop at ``window_cap``, whose peer may open at most ``max_streams`` request
     streams at once (aioquic grants 128, each with a window of its own to buffer), and whose connection credit runs
-    at most ``conn_window`` bytes ahead of what the peer sent."""
+    at most ``conn_window`` bytes ahead of what the peer sent, and whose ACKs ride on the data it sends.
+
+    ACKs. aioquic sends a 1-RTT ACK only once its ``_ack_delay`` (1 ms) has passed since the first unacknowledged
+    packet, never with data sent before that. A request/reply exchange thus costs two extra datagrams, each a full
+    receive/build/encrypt/send on both ends plus a timer wake-up: the server's lone ACK of the request ~1 ms after it
+    replied, and the client's of the reply. That is about a third of aioquic's CPU per round trip at one datagram per
+    message. Here an ACK that is due goes out in the next packet that carries stream data (the reply acknowledges the
+    request, the next request the previous reply), and a lone ACK of one packet waits ``ACK_DELAY`` for such a
+    packet. Once two or more ack-eliciting packets wait, aioquic's own 1 ms applies again (RFC 9000 section 13.2.2
+    wants an ACK after two), so a bulk transfer (a slice piece, a message over several datagrams) is acknowledged as
+    promptly as before and its congestion window grows as before.
+    """
 
     def __init__(self, *, window_cap: int, max_streams: int, conn_window: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.window_cap = window_cap
         self.conn_window = conn_window
+        self._ack_delay = ACK_DELAY
+        self._unacked = 0  # ack-eliciting 1-RTT packets received since our last 1-RTT ACK
+        self._unacked_since = 0.0  # when the first of them arrived
+        self._data_queued = False  # stream data was queued since the last packets were built: an ACK can ride on it
         limit = self._local_max_streams_bidi  # read when the transport parameters are sent; aioquic raises it by
         limit.value = limit.sent = max_streams  # one per finished stream and sends it only when it differs from sent
 
     def _initialize(self, peer_cid: bytes) -> None:
         super()._initialize(peer_cid)
         self.tls._request_client_certificate = not self._is_client
+
+    def send_stream_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        super().send_stream_data(stream_id, data, end_stream)
+        self._data_queued = True
+
+    def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
+        super().receive_datagram(data, addr, now)
+        if self._unacked >= 2 and (space := self._spaces.get(Epoch.ONE_RTT)) is not None and space.ack_at is not None:
+            space.ack_at = min(space.ack_at, self._unacked_since + K_GRANULARITY)  # aioquic's own delay
+
+    def _payload_received(self, context: Any, plain: bytes, crypto_frame_required: bool = False) -> tuple[bool, bool]:
+        is_ack_eliciting, is_probing = super()._payload_received(context, plain, crypto_frame_required)
+        if is_ack_eliciting and context.epoch == Epoch.ONE_RTT:
+            if not self._unacked:
+                self._unacked_since = context.time
+            self._unacked += 1
+        return is_ack_eliciting, is_probing
+
+    def _write_application(self, builder: Any, network_path: Any, now: float) -> None:
+        if self._data_queued:
+            self._data_queued = False
+            space = self._spaces.get(Epoch.ONE_RTT)
+            if space is not None and space.ack_at is not None:
+                space.ack_at = now  # due now: aioquic writes it into the packet that carries the data
+        super()._write_application(builder, network_path, now)
+
+    def _write_ack_frame(self, builder: Any, space: Any, now: float) -> None:
+        super()._write_ack_frame(builder, space, now)
+        if space is self._spaces.get(Epoch.ONE_RTT):
+            self._unacked = 0
 
     def _write_crypto_frame(self, builder: Any, space: Any, stream: Any) -> bool:
         _pin_get_frame(stream.sender)
