@@ -13,7 +13,8 @@ at most one deadline and a new one is asked within a refresh interval.
 
 The numpy forward is synchronous; it runs on a worker thread and calls
 :meth:`RemoteMoE.hook`, which hands each layer to the asyncio loop that owns the
-QUIC endpoint and waits for the combined answer.
+QUIC endpoint and waits for the combined answer -- or, one sequence decoding, on
+the loop's own thread (:mod:`node.backbone.onloop`), with no thread hop.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from experts import codecs
 from experts.codecs import Codec
 from experts.errors import MoeSwarmError
 from experts.moe import ExpertSource, combine
+from node.backbone import onloop
 from node.backbone.heads import HeadExchange
 from node.backbone.hot import HotExperts
 from node.backbone.routing import Host, LayerRoute, Router
@@ -260,14 +262,21 @@ class RemoteMoE:
         await self.signatures.settle()
 
     def settle_blocking(self) -> None:
-        """:meth:`settle` from the forward's thread: a sequence's last rollback check waits for it (``Provenance``)."""
-        asyncio.run_coroutine_threadsafe(self.settle(), self.loop).result()
+        """:meth:`settle` from the forward (on its thread, or on the loop's inside ``onloop.run_on_loop``, where blocking
+        the thread would deadlock): a sequence's last rollback check waits for it (``Provenance``)."""
+        if onloop.inside():
+            onloop.start(self.settle()).result()
+        else:
+            asyncio.run_coroutine_threadsafe(self.settle(), self.loop).result()
 
     def hook(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None, provenance: Taint | None = None) -> Future:
-        """The ``moe_ffn`` for :class:`experts.forward.Backbone`, called off the loop thread.
+        """The ``moe_ffn`` for :class:`experts.forward.Backbone`, called off the loop thread or, with no thread hop,
+        inside :func:`node.backbone.onloop.run_on_loop` on it.
 
         Returns a Future at once, so the forward computes the shared expert during the round trip.
         """
+        if onloop.inside():
+            return onloop.start(self.dispatch_layer(layer, x, ids, w, pins, provenance))
         return asyncio.run_coroutine_threadsafe(self.dispatch_layer(layer, x, ids, w, pins, provenance), self.loop)
 
     async def dispatch_layer(self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, pins: Pins | None = None, provenance: Taint | None = None) -> np.ndarray:

@@ -18,16 +18,18 @@ from experts.hosting import open_experts
 from experts.kernels import make_kernel
 from experts.moe import Partition, grouped_moe
 from experts.random_model import random_config, write_random_model
+from node.backbone import onloop
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.backbone.spotcheck import DEFAULT_SPOT_CHECK
 from node.bench.common import REFERENCE, message_bytes, overhead_ms_p50, udp_round_trip_floor
 from node.launcher import Cluster
+from p2p.bench_quic import process_cpu
 from p2p.identity import Identity
 
 
 def gap_breakdown(local_tps: float, remote_tps: float, stats: dict, n_layer: int, floor: dict, overhead_ms: float) -> dict:
     """Where the remote path's extra time per token goes: the round trip minus the worker's own time is transport
-    (QUIC, the thread hops between the forward and the event loop, framing); the worker's time minus the same compute
+    (QUIC and framing; the forward runs on the loop's thread, so no thread hop); the worker's time minus the same compute
     done locally is its decode/encode/sign and queueing. Beside it: the overhead per dispatch that a ratio of 0.95
     allows, and the bare asyncio UDP round trip between two processes at the same sizes (`udp_round_trip_floor`),
     the part no Python transport removes."""
@@ -45,8 +47,24 @@ def gap_breakdown(local_tps: float, remote_tps: float, stats: dict, n_layer: int
     }
 
 
+def cpu_breakdown(cpu: dict, n_layer: int) -> dict:
+    """CPU time per token (steadier than wall time on a loaded machine): the backbone process decoding locally and
+    remotely (no ledger, no spot checks), the worker process per dispatch (from /proc, clock ticks), and what the
+    remote path costs in CPU beyond the local one per dispatch (backbone + worker - local: transport, hops, codecs,
+    receipts; positive is overhead)."""
+    tokens = max(cpu["tokens"], 1)
+    local, remote, worker = (1e3 * cpu[k] / tokens for k in ("local", "remote", "worker"))
+    return {
+        "backbone_ms_per_token_local": round(local, 3),
+        "backbone_ms_per_token_remote": round(remote, 3),
+        "worker_ms_per_dispatch": round(worker / n_layer, 3),
+        "overhead_ms_per_dispatch": round((remote + worker - local) / n_layer, 3),
+    }
+
+
 def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: int, rounds: int) -> dict:
-    """Rounds alternate local / remote without ledgers / remote with ledgers / remote with spot checks; medians of tokens/s."""
+    """Rounds alternate local / remote without ledgers / remote with ledgers / remote with spot checks; medians of tokens/s.
+    Every decode runs on the event loop's thread (``node.backbone.onloop``), as ``backbone generate`` does."""
     cfg = random_config(**{**REFERENCE, "n_layer": n_layer, "n_expert": n_expert})
     prompt = [72, 101, 108, 108, 111]
     with tempfile.TemporaryDirectory(prefix="moeswarm-bench-") as tmp:
@@ -65,12 +83,27 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
             toks = [tok for tok, _ in generate(bb, prompt, n_tokens, hook)]
             return toks, len(toks) / (time.perf_counter() - t)
 
+        cpu = {"local": 0.0, "remote": 0.0, "worker": 0.0, "tokens": 0}
+
+        async def timed(hook, kind: str, worker_pid: int | None = None) -> tuple[list[int], float]:
+            """One decode on the loop's thread (as `backbone generate` runs it), its CPU seconds added to *kind*."""
+            t, w = time.process_time(), process_cpu(worker_pid) if worker_pid else 0.0
+            out = await onloop.run_on_loop(decode, hook)
+            cpu[kind] += time.process_time() - t
+            if worker_pid:
+                cpu["worker"] += process_cpu(worker_pid) - w
+                cpu["tokens"] += len(out[0])
+            return out
+
         with Cluster(Path(tmp) / "nodes") as cluster:
             # Two one-worker swarms, so each backbone session reaches exactly its worker: one pair records
             # receipts in ledgers on both sides, the other runs with no ledger.
             boots = [cluster.start(f"bootstrap-{name}", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0] for name in ("plain", "ledger")]
             worker_args = ("worker", "--model", str(path), "--max-datagram", str(max_datagram), "--kernel", "ggml", "--threads", "1")
-            cluster.start("worker-no-ledger", *worker_args, "--bootstrap", boots[0], "--no-ledger").wait_ready(600)
+            plain = cluster.start("worker-no-ledger", *worker_args, "--bootstrap", boots[0], "--no-ledger")
+            plain.wait_ready(600)
+            assert plain.proc is not None
+            plain_pid = plain.proc.pid
             cluster.start("worker-ledger", *worker_args, "--bootstrap", boots[1]).wait_ready(600)
 
             async def interleaved():
@@ -85,15 +118,15 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
                 ):
                     for moe in (bare, booked, checked):
                         await wait_for_hosts(moe, model.moe_layers, 1, 60)
-                        await asyncio.to_thread(decode, moe.hook)  # warm-up: connections, RTT, caches
+                        await onloop.run_on_loop(decode, moe.hook)  # warm-up: connections, RTT, caches
                     bare.stats.records.clear()
                     bare.stats.tokens_forwarded = 0
                     local, remote, remote_ledger, remote_checked = [], [], [], []
                     for _ in range(rounds):
-                        local.append(await asyncio.to_thread(decode, local_hook))
-                        remote.append(await asyncio.to_thread(decode, bare.hook))
-                        remote_ledger.append(await asyncio.to_thread(decode, booked.hook))
-                        remote_checked.append(await asyncio.to_thread(decode, checked.hook))
+                        local.append(await timed(local_hook, "local"))
+                        remote.append(await timed(bare.hook, "remote", plain_pid))
+                        remote_ledger.append(await onloop.run_on_loop(decode, booked.hook))
+                        remote_checked.append(await onloop.run_on_loop(decode, checked.hook))
                     return local, remote, remote_ledger, remote_checked, bare.stats.summary(), checked.checker.summary(), overhead_ms_p50(bare.stats.records)
 
             local, remote, remote_ledger, remote_checked, stats, checks, overhead_ms = asyncio.run(interleaved())
@@ -116,5 +149,6 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
         "identical": all(t == local[0][0] for t, _ in local + remote + remote_ledger + remote_checked),
         "rtt_ms": stats["rtt_ms"],
         "gap": gap_breakdown(local_tps, remote_tps, stats, n_layer, floor, overhead_ms),
+        "cpu": cpu_breakdown(cpu, n_layer),
     }
     return result

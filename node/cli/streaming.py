@@ -1,12 +1,12 @@
-"""Run a generation on a worker thread and stream its text to the terminal as tokens arrive."""
+"""Run a generation on the event loop's thread (``node.backbone.onloop``) and stream its text to the terminal as tokens
+arrive."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 
 import click
 
@@ -14,6 +14,7 @@ from experts.forward import Backbone, MoeFfn
 from experts.generate import generate
 from experts.speculative import Drafter, FollowingDrafter, SpecStats, default_drafter, speculative_generate
 from experts.tokenizer import StreamDecoder, Tokenizer
+from node.backbone import onloop
 from node.backbone.provenance import Provenance, Rollback, RollbackStats, exact_generate
 
 
@@ -22,14 +23,14 @@ def serial(hook: MoeFfn) -> MoeFfn:
 
     def waited(layer: int, x, ids, w) -> Future:
         routed = hook(layer, x, ids, w)
-        wait([routed])  # done before the forward moves on; it reads the sum where it always does
+        routed.result()  # done before the forward moves on; it reads the sum where it always does (on the loop too)
         return routed
 
     return waited
 
 
 async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False, drafter: Drafter | FollowingDrafter | None = None, overlap: bool = True, culprits: Sequence[str] | None = None, settle: Callable[[], None] | None = None) -> tuple[list[int], float, SpecStats | None, RollbackStats | None]:
-    """Generate off the event loop (the MoE hook needs the loop); echo text when *stream*. Returns (tokens, seconds, stats, rollbacks).
+    """Generate on the event loop's thread, the MoE hook's dispatches awaited there; echo text when *stream*. Returns (tokens, seconds, stats, rollbacks).
 
     *drafter* proposes the speculative drafts (default: the model's n-gram table or prompt lookup).
     *overlap* False waits for each layer's dispatch before the shared expert (for measuring what the overlap hides).
@@ -69,6 +70,6 @@ async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int
             click.echo(dec.flush())
 
     t0 = time.perf_counter()
-    await asyncio.to_thread(run)
+    await onloop.run_on_loop(run)  # one sequence: the forward on the loop's thread, no thread hop per MoE layer
     elapsed = time.perf_counter() - t0
     return out, elapsed, stats, rollbacks

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from experts.forward import Backbone, KVCache, local_moe
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.moe import Partition, grouped_moe, partial_sum
 from experts.slices import ExpertStore
+from node.backbone import onloop
 from node.backbone.dispatch import RemoteMoE
 from node.cli.streaming import serial
 from node.verdicts import record_verdict
@@ -107,6 +109,38 @@ def test_f32_remote_logits_are_bit_identical_to_local_grouping(model_dir, arch):
     s = moe.stats.summary()
     assert s["failed_dispatches"] == 0 and s["local_groups"] == 0
     assert len(s["per_peer"]) == 3 and len(moe.receipts) == s["dispatches"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
+def test_forward_on_the_loops_thread_is_bit_identical_and_hops_no_thread(model_dir, arch, monkeypatch):
+    """The forward run on the loop's own thread (``onloop.run_on_loop``) gives the logits of the forward on a thread
+    bit for bit, calls its hook on the loop's thread only, and never hands a layer over with run_coroutine_threadsafe
+    (qwen2moe: its shared expert overlaps the round trip there too)."""
+    model = GGUFModel(make_model(model_dir, arch, n_expert=12, n_expert_used=4, n_layer=3))
+    ranges = [(0, 6), (6, 12)]
+    threaded, _ = asyncio.run(run_remote(model, ranges))
+
+    def no_hop(*args, **kwargs):
+        raise AssertionError("a thread hop on the data path")
+
+    async def on_loop():
+        async with remote_swarm(model, ranges, timeout=2.0) as moe:
+            threads = set()
+
+            def hook(*args):
+                threads.add(threading.get_ident())
+                return moe.hook(*args)
+
+            monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", no_hop)
+            logits = await onloop.run_on_loop(Backbone(model).forward, TOKENS, KVCache(), hook)
+            monkeypatch.undo()
+            return logits, moe, threads
+
+    logits, moe, threads = asyncio.run(on_loop())
+    assert logits.tobytes() == threaded.tobytes()
+    assert threads == {threading.get_ident()}  # asyncio.run's loop runs on this thread
+    s = moe.stats.summary()
+    assert s["failed_dispatches"] == 0 and s["local_groups"] == 0 and s["dispatches"] == 2 * model.cfg.n_layer
 
 
 def test_shared_expert_overlap_changes_no_bit(model_dir):
