@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,7 +84,7 @@ def generate(
     sampling: Sampling = Sampling(),
     stop: set[int] | None = None,
     cache: KVCache | None = None,
-) -> Iterator[tuple[int, np.ndarray]]:
+) -> Generator[tuple[int, np.ndarray], None, None]:
     """Yield (token, logits it was sampled from) until max_tokens or a stop token.
 
     One forward pass per token: the prefill yields the first, each later pass the next

@@ -27,7 +27,7 @@ from __future__ import annotations
 import io
 import zipfile
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -397,7 +397,7 @@ def speculative_generate(
     adaptive: bool = True,
     stats: SpecStats | None = None,
     cache: KVCache | None = None,
-) -> Iterator[tuple[int, np.ndarray]]:
+) -> Generator[tuple[int, np.ndarray], None, None]:
     """Yield (token, logits it was drawn from) as :func:`experts.generate.generate` does, fewer passes.
 
     Greedy output (tokens and logits) is identical to ``generate``; sampled output has

@@ -46,11 +46,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
+from typing import TypeVar, cast
 
 import numpy as np
 import structlog
@@ -62,6 +63,7 @@ from node.backbone.dispatch import Pins, RemoteMoE, Taint
 
 log = structlog.get_logger("node.backbone.batching")
 
+K = TypeVar("K", bound=Hashable)  # what names a batch member (a sequence id; tests use strings)
 DEFAULT_WINDOW_S = 0.002
 
 
@@ -300,9 +302,10 @@ class BatchingMoE:
             self._timer = self.loop.call_at(deadline, self._on_timer)
 
     def _affinity_groups(self, b: Batch) -> list[tuple[list[int], Pins | None]]:
+        members = cast("list[int]", b.members)  # the core batches any hashable; this batcher's members are sequence ids
         if not isinstance(self.inner, RemoteMoE):  # nothing to pin
-            return [(list(b.members), None)]
-        return affinity_groups(self.layers[b.layer], b.members, self._pins)
+            return [(list(members), None)]
+        return [(group, pins) for group, pins in affinity_groups(self.layers[b.layer], members, self._pins)]
 
     async def _dispatch(self, layer: int, members: list[int], calls: list[_Call], pins: Pins | None) -> None:
         x = np.concatenate([c.x for c in calls])
@@ -355,7 +358,7 @@ class RowSplit:
             start += n
 
 
-def affinity_groups(layer: int, members: Iterable[Hashable], pins: dict[Hashable, Pins | None]) -> list[tuple[list, Pins]]:
+def affinity_groups(layer: int, members: Iterable[K], pins: Mapping[K, Pins | None]) -> list[tuple[list[K], Pins]]:
     """Split a layer's batch so that no dispatch has to honour two different pinned hosts for one expert group.
 
     Returns (members, their pins for *layer* merged) per dispatch, first-fit in member

@@ -76,6 +76,10 @@ class HostDraining(DispatchFailed):
     """The host refused with DRAINING: it is shutting down, did no work, and takes none until it is back."""
 
 
+class HostBusy(DispatchFailed):
+    """The host refused with OVERLOADED: it is saturated (other backbones), did no work, and may be asked again soon."""
+
+
 class HostTimedOut(DispatchFailed):
     """No answer within the dispatch's deadline (counted towards demotion: a dead, overloaded or sybil host)."""
 
@@ -117,6 +121,7 @@ class DispatchStats:
     # Bounded: a long-running gateway keeps the recent window (the ledger keeps everything).
     records: deque[DispatchRecord] = field(default_factory=lambda: deque(maxlen=KEEP_RECENT))
     local_groups: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)  # worker refusals that were no dispatch, by code (draining, overloaded)
     tokens_forwarded: int = 0  # token-layer visits of the forward (denominator for bytes per token per layer)
     # (remote hosts asked, wall ms) per layer dispatch: a star fan-out should take ~ its slowest round trip, not the sum
     layers: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=KEEP_RECENT))
@@ -146,6 +151,7 @@ class DispatchStats:
             "timeouts_by_peer": {peer: sum(1 for r in asked if r.timed_out and r.peer == peer) for peer in waited},
             "probes": {"ok": sum(1 for r in probes if r.ok), "failed": sum(1 for r in probes if not r.ok)},
             "local_groups": self.local_groups,
+            "refusals": dict(self.refusals),
             "per_peer": per_peer,
             "hosts_per_layer": {layer: len(peers) for layer, peers in sorted(per_layer.items())},
             "paths": paths,
@@ -408,6 +414,10 @@ class RemoteMoE:
             self.router.leaving(host.peer_id, now)
             log.debug("dispatch.redirected", peer=str(host.peer_id), layer=layer, reason=str(exc))
             return
+        if isinstance(exc, HostBusy):
+            self.router.busy(host.peer_id, now)
+            log.debug("dispatch.busy", peer=str(host.peer_id), layer=layer, reason=str(exc))
+            return
         was_demoted = self.router.health[host.peer_id].demoted
         next_probe_s = self.router.failed(host.peer_id, now, timed_out=isinstance(exc, HostTimedOut))
         health = self.router.health[host.peer_id]
@@ -454,7 +464,8 @@ class RemoteMoE:
         data = req.encode()
         self.router.started(host.peer_id)
         t0 = time.perf_counter()
-        ok, reply_len, path, refused, worker_ms, timed_out = False, 0, host.path, False, 0.0, False
+        ok, reply_len, path, worker_ms, timed_out = False, 0, host.path, 0.0, False
+        refused: str | None = None  # the code of a refusal that was no dispatch
         try:
             try:
                 reply = await self.connector.request(host.peer_id, host.addr, host.relay, data, timeout=timeout)
@@ -470,8 +481,9 @@ class RemoteMoE:
             except wire.ProtocolError as exc:
                 raise DispatchFailed(f"malformed reply: {exc}") from None
             if isinstance(msg, wire.ErrorReply):
-                refused = msg.code is wire.ErrorCode.DRAINING
-                raise (HostDraining if refused else DispatchFailed)(f"worker error {msg.code.name}: {msg.message}")
+                refusal = {wire.ErrorCode.DRAINING: HostDraining, wire.ErrorCode.OVERLOADED: HostBusy}.get(msg.code)
+                refused = msg.code.name.lower() if refusal is not None else None
+                raise (refusal or DispatchFailed)(f"worker error {msg.code.name}: {msg.message}")
             if not isinstance(msg, wire.DispatchReply) or msg.dispatch_id != req.dispatch_id or msg.n_tokens != n:
                 raise DispatchFailed("reply does not answer this dispatch")
             try:
@@ -484,7 +496,9 @@ class RemoteMoE:
             ok, worker_ms = True, msg.compute_us / 1e3
         finally:
             latency = (time.perf_counter() - t0) * 1e3
-            if not refused:  # a draining host's refusal is no dispatch: it did no work, the group goes elsewhere
+            if refused:  # a draining or saturated host's refusal is no dispatch: it did no work, the group goes elsewhere
+                self.stats.refusals[refused] = self.stats.refusals.get(refused, 0) + 1
+            else:
                 self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok, worker_ms, probe, timed_out))
             log.debug("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok, probe=probe)
         compute_ms = msg.compute_us / 1e3

@@ -18,7 +18,7 @@ caught since. :func:`exact_generate` is the loop: any decode function of the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,7 +135,7 @@ class _Traced:
         return getattr(self._backbone, name)
 
 
-Decode = Callable[..., Iterator[tuple[int, np.ndarray]]]  # generate / speculative_generate (with their options bound)
+Decode = Callable[..., Generator[tuple[int, np.ndarray], None, None]]  # generate / speculative_generate (with their options bound)
 
 
 def exact_generate(
@@ -150,7 +150,7 @@ def exact_generate(
     stats: RollbackStats | None = None,
     cache: KVCache | None = None,
     until: Callable[[list[int]], bool] | None = None,
-) -> Iterator[tuple[int, np.ndarray] | Rollback]:
+) -> Generator[tuple[int, np.ndarray] | Rollback, None, None]:
     """*decode* (``generate``'s signature) with rollback: yields (token, logits) and, after a catch, a :class:`Rollback`.
 
     *moe_ffn* must report unchecked remote answers to *provenance* (``RemoteMoE.hook`` with

@@ -52,6 +52,7 @@ from p2p.identity import PeerId
 from p2p.pathkind import Path
 from p2p.records import HostRecord, RelayAddress
 
+BUSY_S = 0.2  # a host that answered OVERLOADED is asked after its replicas for this long (it is full, not failing)
 LEAVING_S = 60.0  # longer than a drain (withdraw, then finish within its deadline); a worker restarted under the same key is used again after it
 DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones
 EWMA = 0.2
@@ -262,6 +263,13 @@ class Router:
         h.inflight -= 1
         h.probing = False
         h.banned_until = max(h.banned_until, now + LEAVING_S)
+
+    def busy(self, peer: PeerId, now: float) -> None:
+        """*peer* refused with OVERLOADED (its in-flight caps are full: other backbones keep it busy). No failure is
+        counted and it stays askable; for ``BUSY_S`` it ranks after its ready replicas, so its load spreads to them."""
+        h = self.health[peer]
+        h.inflight -= 1
+        h.benched_until = max(h.benched_until, now + BUSY_S)
 
     def relay_restored(self, url: str, now: float) -> list[PeerId]:
         """Our link to relay *url* is back: its relay-only hosts that failed are probed at the next dispatch

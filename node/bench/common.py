@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
 from experts.codecs import Codec, encoded_size
 from experts.errors import UsageError
 
-REFERENCE = dict(arch="qwen3moe", n_layer=1, n_embd=3072, n_head=24, n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768)
+REFERENCE: dict[str, Any] = dict(arch="qwen3moe", n_layer=1, n_embd=3072, n_head=24, n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768)
 
 
 class BenchmarkError(UsageError):

@@ -6,6 +6,7 @@ import asyncio
 import platform
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -19,6 +20,7 @@ from experts.kernels import make_kernel
 from experts.moe import Partition, grouped_moe
 from experts.random_model import random_config, write_random_model
 from node.backbone import onloop
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.backbone.spotcheck import DEFAULT_SPOT_CHECK
 from node.bench.common import REFERENCE, message_bytes, overhead_ms_p50, udp_round_trip_floor
@@ -110,11 +112,11 @@ def run(n_tokens: int, qtype: str, n_layer: int, n_expert: int, max_datagram: in
                 """Rounds alternate local / remote without ledgers / remote with ledgers on both sides / remote with the
                 default spot checks (re-computed locally; the others check nothing), so drifting machine load hits all alike."""
                 ledger_path = Path(tmp) / "backbone-ledger.sqlite"
-                session = dict(max_datagram=max_datagram, kernel=kernel)
+                unchecked = BackboneOptions(max_datagram=max_datagram, spot_check=0.0)
                 async with (
-                    backbone_session(Identity.generate(), model, [boots[0]], spot_check=0.0, **session) as bare,
-                    backbone_session(Identity.generate(), model, [boots[1]], ledger_path=ledger_path, spot_check=0.0, **session) as booked,
-                    backbone_session(Identity.generate(), model, [boots[0]], spot_check=DEFAULT_SPOT_CHECK, **session) as checked,
+                    backbone_session(Identity.generate(), model, [boots[0]], kernel, unchecked) as bare,
+                    backbone_session(Identity.generate(), model, [boots[1]], kernel, replace(unchecked, ledger_path=ledger_path)) as booked,
+                    backbone_session(Identity.generate(), model, [boots[0]], kernel, replace(unchecked, spot_check=DEFAULT_SPOT_CHECK)) as checked,
                 ):
                     for moe in (bare, booked, checked):
                         await wait_for_hosts(moe, model.moe_layers, 1, 60)

@@ -27,6 +27,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
+from typing import ClassVar
 
 import gguf
 import numpy as np
@@ -56,6 +57,8 @@ def packed_moe(experts: PackedExperts) -> MoeFfn:
 
 class TimedKernel:
     """A kernel that adds up the wall time of its calls, to split a decode step into kernel time and the rest."""
+
+    dequantizes: ClassVar[bool] = False  # it times the ggml kernel (``run``), which computes on the quantized bytes
 
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel

@@ -30,6 +30,7 @@ from experts.kernels import make_kernel
 from experts.moe import Partition, grouped_moe
 from experts.random_model import random_config, write_random_model
 from experts.tokenizer import Tokenizer
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bench.common import BenchmarkError, overhead_ms_p50
 from node.launcher import LOOPBACK_DATAGRAM, Cluster, start_local_swarm
@@ -83,7 +84,7 @@ def run(model_path: Path, n_workers: int, n_tokens: int, rounds: int) -> dict:
         boot, workers = start_local_swarm(cluster, model.path, part.bounds, kernel="ggml", max_datagram=LOOPBACK_DATAGRAM, ready_timeout=600)
 
         async def alternate():
-            async with backbone_session(Identity.generate(), model, boot["dht_addrs"], kernel=kernel, max_datagram=LOOPBACK_DATAGRAM, ledger_path=Path(tmp) / "backbone-ledger.sqlite") as moe:
+            async with backbone_session(Identity.generate(), model, boot["dht_addrs"], kernel, BackboneOptions(max_datagram=LOOPBACK_DATAGRAM, ledger_path=Path(tmp) / "backbone-ledger.sqlite")) as moe:
                 await wait_for_hosts(moe, model.moe_layers, 1, 60)
                 await asyncio.to_thread(decode, local_hook)  # warm-up: caches, connections, RTT estimates
                 await asyncio.to_thread(decode, moe.hook)

@@ -25,6 +25,7 @@ from experts.hosting import open_experts
 from experts.kernels import Kernel
 from experts.moe import Partition, grouped_moe
 from experts.tokenizer import Tokenizer
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.cli.options import kernel_options, open_kernel
 from node.cli.root import emit_json
@@ -82,7 +83,7 @@ async def _run(model: GGUFModel, kernel: Kernel, part: Partition, bootstrap: str
     bb = Backbone(model, kernel)
     ids = tok.encode(prompt)
     stop = {tok.eos_id}
-    async with backbone_session(identity, model, [bootstrap], codec=codec, kernel=kernel, max_datagram=LOOPBACK_DATAGRAM, ledger_path=ledger_path) as moe:
+    async with backbone_session(identity, model, [bootstrap], kernel, BackboneOptions(codec=codec, max_datagram=LOOPBACK_DATAGRAM, ledger_path=ledger_path)) as moe:
         await wait_for_hosts(moe, model.moe_layers, 1, 60)
         out, elapsed, _, _ = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, culprits=moe.checker.culprits, settle=moe.settle_blocking)
         stats = moe.stats.summary()

@@ -12,7 +12,7 @@ from experts.gguf_model import ExpertRange
 from experts.parts import Part
 from experts.slices import parse_range
 from node.cli import progress
-from node.cli.options import bootstrap_opt, model_digest_value, relay_opts, relay_settings
+from node.cli.options import bootstrap_opt, dht_listen_opt, listen_opt, model_digest_value, relay_opts, relay_settings
 from node.cli.root import emit_json
 from node.runtime import parse_hostport
 from p2p.dht import check_bootstrap
@@ -28,8 +28,8 @@ MAX_INDEX = 0xFFFF  # the manifest gives the real bounds; the ranges are checked
 @click.option("--head", is_flag=True, help="Instead: the embeddings, output head and tokenizer (a client's slice).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Slice file to write (verified experts are staged in OUTPUT.parts/ meanwhile: run again to resume).")
 @bootstrap_opt
-@click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT client.")
-@click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC (use a routable or wildcard host to reach other machines, e.g. 0.0.0.0:0).")
+@dht_listen_opt
+@listen_opt
 @click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
 @click.option("--timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds one piece (at most 4 MiB) may take before that holder gets a strike.")
 @relay_opts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 import gguf
 
@@ -119,7 +121,7 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
     hosted = ExpertRange(er.start, er.stop) if er else m.experts
     budget = parse_size(memory_budget) if memory_budget else None
     plan = plan_load(m, KERNELS[kernel_name], budget, lr, hosted)  # a SliceError (one line) if it does not fit
-    info = {
+    info: dict[str, Any] = {
         "path": str(m.path),
         "model_digest": m.digest,
         "slice": m.is_slice,

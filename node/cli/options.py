@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
+    from node.backbone.options import BackboneOptions
     from relay.client import RelaySettings
 
 # experts.kernels.KERNELS' names, spelled out so that parsing options does not load ggml (tests/unit/test_kernels.py
@@ -98,3 +99,63 @@ def parse_size(text: str) -> int:
         return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a size such as 512M or 2G") from None
+
+
+listen_opt = click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC (use this host's address, or a wildcard host, to reach other machines).")
+dht_listen_opt = click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT.")
+max_datagram_opt = click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
+wire_opt = click.option("--wire", default="auto", show_default=True, type=click.Choice(["auto", "f32", "f16", "int8"]), help="auto: f16 once `moeswarm verify --wire f16` passed for the model, else f32.")
+max_price_opt = click.option("--max-price", default=None, type=int, help="Never use workers asking more per work unit.")
+
+
+def backbone_opts(command):
+    """Every option of a backbone session (``node.backbone.options.BackboneOptions``), declared once for
+    ``backbone generate`` and ``backbone serve``; ``backbone_options`` turns them into the value. The ledger's option
+    differs per command (a path, or ``--no-ledger``) and stays with it, as does the kernel (``kernel_options``)."""
+    options = [
+        wire_opt,
+        timeout_opt,
+        route_refresh_opt,
+        hedge_opt,
+        listen_opt,
+        dht_listen_opt,
+        max_datagram_opt,
+        spot_check_opts,
+        click.option("--spot-seed", default=None, type=int, hidden=True, help="Seed of the spot-check sample (a reproducible choice of the dispatches checked; for tests)."),
+        max_price_opt,
+        click.option("--local-experts", default=0, show_default=True, type=click.IntRange(min=0), help="Keep this many of each layer's hottest experts local."),
+        click.option("--local-memory", default=None, help="Or: as many hot experts as fit this much RAM, e.g. 2G."),
+        click.option("--remote-experts-only", is_flag=True, help="Compute no routed expert here (a model whose experts do not fit this machine): no local fallback; spot checks re-ask another replica."),
+        relay_opts,
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def backbone_options(model_digest: str, ledger_path: Path | None, *, wire: str, timeout: float, route_refresh: float, hedge: bool, listen: str, dht_listen: str, max_datagram: int, spot_check: float, verify_all: bool, spot_seed: int | None, max_price: int | None,
+                     local_experts: int, local_memory: str | None, remote_experts_only: bool, relay_ca: Path | None, relay_keepalive: float | None) -> BackboneOptions:
+    """The ``BackboneOptions`` that ``backbone_opts``' values say, checked now (a bad size, CA file or combination is
+    a one-line error before anything starts)."""
+    from experts.codecs import Codec
+    from node.backbone.options import BackboneOptions
+    from node.runtime import parse_hostport
+    from node.verdicts import default_wire
+
+    return BackboneOptions(
+        codec=default_wire(model_digest) if wire == "auto" else Codec.parse(wire),
+        listen=parse_hostport(listen),
+        dht_listen=dht_listen,
+        timeout=timeout,
+        max_datagram=max_datagram,
+        spot_check=1.0 if verify_all else spot_check,
+        spot_seed=spot_seed,
+        ledger_path=ledger_path,
+        max_price=max_price,
+        local_experts=local_experts,
+        local_memory=parse_size(local_memory) if local_memory else None,
+        hold_experts=not remote_experts_only,
+        relay=relay_settings(relay_ca, relay_keepalive),
+        route_refresh=route_refresh,
+        hedge=hedge,
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import click
 
@@ -68,7 +69,8 @@ async def _relay(
 ) -> None:
     ready: asyncio.Future[RelayServer] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(run_relay(ident, host, port, tls_cert=tls_cert, tls_key=tls_key, ready=ready, limits=limits))
-    await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+    waiting: list[asyncio.Future[Any]] = [task, ready]
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():
         try:
             task.result()

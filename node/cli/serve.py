@@ -7,16 +7,18 @@ import asyncio
 import click
 import structlog
 
-from experts.codecs import Codec
 from experts.embedded import EMBEDDED_MODEL
 from experts.forward import Backbone
 from experts.gguf_model import GGUFModel
+from experts.kernels import Kernel
 from experts.tokenizer import Tokenizer
 from node.backbone.batching import DEFAULT_WINDOW_S, BatchingMoE
+from node.backbone.options import BackboneOptions
 from node.backbone.prefix_cache import PrefixCache
 from node.backbone.session import backbone_session, wait_for_hosts
-from node.cli.options import bootstrap_opt, data_dir_opt, drafter_opt, hedge_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, spot_check_opts, timeout_opt
+from node.cli.options import backbone_options, backbone_opts, bootstrap_opt, data_dir_opt, drafter_opt, kernel_options, open_kernel, parse_size, ready_opt
 from node.gateway.engine import Engine
+from node.gateway.options import GatewayOptions
 from node.gateway.server import BODY_TIMEOUT, Gateway
 from node.gateway.summary import Counts, log_summaries
 from node.ledger.store import FILENAME
@@ -24,7 +26,6 @@ from node.runtime import data_dir as node_dir
 from node.runtime import load_identity, parse_hostport, until_stopped, write_ready
 from node.status.coverage import Phase
 from node.status.server import NodeStatus, model_shape, url_of, watching
-from node.verdicts import default_wire
 from p2p.dht import check_bootstrap
 from p2p.identity import Identity
 
@@ -38,7 +39,6 @@ log = structlog.get_logger("node.cli.serve")
 @click.option("--api-key", default=None, envvar="MOESWARM_API_KEY", show_envvar=True, callback=lambda ctx, param, v: _api_key(v), help="Require 'Authorization: Bearer KEY' (the OpenAI client's api_key) on every path but /healthz and /readyz; 401 otherwise. Prefer the environment variable: a command line is visible to other users.")
 @click.option("--body-timeout", default=BODY_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Seconds for a request body to arrive in full once its headers have; past it HTTP 408 and the connection is closed.")
 @click.option("--served-model-name", default=None, help="Model id clients must ask for (default: the GGUF file's name without .gguf).")
-@click.option("--wire", default="auto", show_default=True, type=click.Choice(["auto", "f32", "f16", "int8"]), help="auto: f16 once `moeswarm verify --wire f16` passed for the model, else f32.")
 @click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts before serving.")
 @click.option("--wait-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0), help="Seconds to wait for those hosts (meanwhile /v1 and /readyz answer 503) before giving up.")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256), help="Sequences decoded concurrently (their MoE layers share dispatches).")
@@ -48,30 +48,20 @@ log = structlog.get_logger("node.cli.serve")
 @click.option("--summary-interval", "summary_s", default=60.0, show_default=True, type=click.FloatRange(min=1), help="Seconds between the info lines that sum up requests, tokens, dispatches, failures and hosts used (a quiet interval prints none).")
 @click.option("--no-speculative", is_flag=True, help="Decode greedy requests one token per pass (same output, more round trips).")
 @drafter_opt
-@timeout_opt
-@route_refresh_opt
-@hedge_opt
-@click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC.")
-@click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT client.")
-@click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback).")
-@spot_check_opts
-@click.option("--spot-seed", default=None, type=int, hidden=True, help="Seed of the spot-check sample (a reproducible choice of the dispatches checked; for tests).")
-@click.option("--remote-experts-only", is_flag=True, help="Compute no routed expert here: no local fallback; spot checks re-ask another replica.")
-@click.option("--max-price", default=None, type=int, help="Never use workers asking more per work unit.")
+@backbone_opts
 @click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default).")
 @kernel_options
-@relay_opts
 @data_dir_opt
 @ready_opt
-def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, body_timeout, served_model_name, wire, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, summary_s, no_speculative, drafter, timeout, route_refresh, hedge, listen, dht_listen, max_datagram, spot_check, verify_all, spot_seed, remote_experts_only, max_price, no_ledger, kernel_name, threads, relay_ca, relay_keepalive, data_dir, ready_file) -> None:
+def serve_cmd(model_path, bootstrap, bootstrap_wait, http_addr, api_key, body_timeout, served_model_name, wait_hosts, wait_timeout, max_batch, max_queue, batch_window_ms, prefix_cache, summary_s, no_speculative, drafter, no_ledger, kernel_name, threads, data_dir, ready_file, **backbone) -> None:
     """Serve /v1/completions and /v1/chat/completions, batching concurrent requests' dispatches."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
-    codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
-    session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, max_datagram=max_datagram, spot_check=1.0 if verify_all else spot_check, spot_seed=spot_seed, hold_experts=not remote_experts_only, max_price=max_price, ledger_path=None if no_ledger else home / FILENAME, relay=relay_settings(relay_ca, relay_keepalive))
+    session = backbone_options(model.digest, None if no_ledger else home / FILENAME, **backbone)
     cache_bytes = parse_size(prefix_cache) if prefix_cache not in ("0", "") else 0
-    options = dict(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative, drafter=drafter, summary_s=summary_s, body_timeout=body_timeout)
-    asyncio.run(serve(load_identity(home), model, (bootstrap, bootstrap_wait), parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), session, options, ready_file, api_key))
+    options = GatewayOptions(max_batch=max_batch, max_queue=max_queue, window_s=batch_window_ms / 1e3, prefix_bytes=cache_bytes, speculative=not no_speculative, drafter=drafter, summary_s=summary_s, body_timeout=body_timeout)
+    kernel = open_kernel(kernel_name, threads)
+    asyncio.run(serve(load_identity(home), model, (bootstrap, bootstrap_wait), parse_hostport(http_addr), served_model_name or model.path.name.removesuffix(".gguf"), (wait_hosts, wait_timeout), kernel, session, options, ready_file, api_key))
 
 
 def _api_key(value: str | None) -> str | None:
@@ -82,10 +72,10 @@ def _api_key(value: str | None) -> str | None:
     return value
 
 
-async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str, int], name: str, wait: tuple[int, float], session: dict, options: dict, ready_file: str | None, api_key: str | None = None) -> None:
+async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str, int], name: str, wait: tuple[int, float], kernel: Kernel, session: BackboneOptions, options: GatewayOptions, ready_file: str | None, api_key: str | None = None) -> None:
     """Bind HTTP at once (503 until ready), find the workers, then serve on this loop until SIGINT/SIGTERM."""
-    status = NodeStatus("gateway", str(identity.peer_id), phase=Phase.LOADING, model=model_shape(model), needs_swarm=True, ledger_path=session["ledger_path"])
-    gateway = Gateway(None, name, model.digest, status, api_key=api_key, body_timeout=options["body_timeout"])
+    status = NodeStatus("gateway", str(identity.peer_id), phase=Phase.LOADING, model=model_shape(model), needs_swarm=True, ledger_path=session.ledger_path)
+    gateway = Gateway(None, name, model.digest, status, api_key=api_key, body_timeout=options.body_timeout)
     host, port = await gateway.start(*http)
     status.http_addr = f"{host}:{port}"
     url = url_of(host, port) + "/v1"
@@ -94,19 +84,19 @@ async def serve(identity: Identity, model: GGUFModel, bootstrap, http: tuple[str
     try:
         await check_bootstrap(bootstrap, bootstrap_wait)  # before the dense weights load (/readyz says "loading")
         tok = Tokenizer.from_spec(model.tokenizer_spec)
-        backbone = await asyncio.to_thread(Backbone, model, session["kernel"])  # the loop keeps answering /readyz meanwhile
-        async with backbone_session(identity, model, bootstrap, **session) as remote, watching(status):
+        backbone = await asyncio.to_thread(Backbone, model, kernel)  # the loop keeps answering /readyz meanwhile
+        async with backbone_session(identity, model, bootstrap, kernel, session) as remote, watching(status):
             status.remote, status.discovery, status.phase = remote, remote.discovery, Phase.WAITING
             await wait_for_hosts(remote, model.moe_layers, *wait)
             await status.refresh()  # /readyz judges the coverage it has now, not the empty map of the wait
-            moe = BatchingMoE(remote, model.cfg.moe_layers, asyncio.get_running_loop(), window_s=options["window_s"])
-            cache = PrefixCache(options["prefix_bytes"]) if options["prefix_bytes"] else None
-            engine = Engine(backbone, tok, moe, max_batch=options["max_batch"], max_queue=options["max_queue"], prefix_cache=cache, speculative=options["speculative"], drafter=options["drafter"])
+            moe = BatchingMoE(remote, model.cfg.moe_layers, asyncio.get_running_loop(), window_s=options.window_s)
+            cache = PrefixCache(options.prefix_bytes) if options.prefix_bytes else None
+            engine = Engine(backbone, tok, moe, max_batch=options.max_batch, max_queue=options.max_queue, prefix_cache=cache, speculative=options.speculative, drafter=options.drafter)
             gateway.attach(engine)
             status.phase = Phase.SERVING
-            summaries = asyncio.create_task(log_summaries(lambda: Counts(engine.stats.requests, engine.stats.completion_tokens, engine.stats.failed), remote.stats.records, options["summary_s"]))
+            summaries = asyncio.create_task(log_summaries(lambda: Counts(engine.stats.requests, engine.stats.completion_tokens, engine.stats.failed), remote.stats.records, options.summary_s))
             try:
-                log.info("gateway.ready", url=url, model=name, max_batch=options["max_batch"])
+                log.info("gateway.ready", url=url, model=name, max_batch=options.max_batch)
                 write_ready(ready_file, {"role": "gateway", "peer_id": str(identity.peer_id), "http_addr": status.http_addr, "base_url": url, "model": name})
                 await until_stopped()
             finally:

@@ -29,7 +29,7 @@ def serial(hook: MoeFfn) -> MoeFfn:
     return waited
 
 
-async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: MoeFfn, *, stream: bool, speculative: bool = False, drafter: Drafter | FollowingDrafter | None = None, overlap: bool = True, culprits: Sequence[str] | None = None, settle: Callable[[], None] | None = None) -> tuple[list[int], float, SpecStats | None, RollbackStats | None]:
+async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: Callable[..., Future], *, stream: bool, speculative: bool = False, drafter: Drafter | FollowingDrafter | None = None, overlap: bool = True, culprits: Sequence[str] | None = None, settle: Callable[[], None] | None = None) -> tuple[list[int], float, SpecStats | None, RollbackStats | None]:
     """Generate on the event loop's thread, the MoE hook's dispatches awaited there; echo text when *stream*. Returns (tokens, seconds, stats, rollbacks).
 
     *drafter* proposes the speculative drafts (default: the model's n-gram table or prompt lookup).

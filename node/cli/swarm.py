@@ -10,23 +10,39 @@ from pathlib import Path
 
 import click
 
-from experts.codecs import Codec
 from experts.forward import Backbone
 from experts.gguf_model import ExpertRange, GGUFModel
+from experts.kernels import Kernel
 from experts.slices import parse_range
 from experts.speculative import pick_drafter
 from experts.tokenizer import Tokenizer
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.bootstrap import run_bootstrap_node
 from node.cli import progress
-from node.cli.options import bootstrap_opt, data_dir_opt, drafter_opt, hedge_opt, http_opt, kernel_options, open_kernel, parse_size, ready_opt, relay_opts, relay_settings, route_refresh_opt, spot_check_opts, thread_count, timeout_opt
+from node.cli.options import (
+    backbone_options,
+    backbone_opts,
+    bootstrap_opt,
+    data_dir_opt,
+    dht_listen_opt,
+    drafter_opt,
+    http_opt,
+    kernel_options,
+    max_datagram_opt,
+    open_kernel,
+    parse_size,
+    ready_opt,
+    relay_opts,
+    relay_settings,
+    thread_count,
+)
 from node.cli.root import LazyGroup, emit_json
 from node.cli.streaming import stream_tokens
 from node.ledger.store import FILENAME
 from node.runtime import data_dir as node_dir
 from node.runtime import load_identity, parse_hostport
 from node.status.server import model_shape
-from node.verdicts import default_wire
 from node.worker.node import WorkerNode, WorkerOptions, run_worker
 from node.worker.slice_server import SliceLimits
 from p2p.budget import ServeLimits
@@ -76,7 +92,7 @@ def serving_options(f):
     options = [
         kernel_options,
         click.option("--price", default=0, show_default=True, help="Price per work unit, announced in the DHT record."),
-        click.option("--max-datagram", default=1200, show_default=True, type=click.IntRange(1200, 16384), help="QUIC datagram size to send (16384 only on loopback)."),
+        max_datagram_opt,
         click.option("--capacity", default=0, show_default=True, help="Announced capacity (tokens per second, informative)."),
         click.option("--no-ledger", is_flag=True, help="Do not record receipts (DATA_DIR/ledger.sqlite by default)."),
         click.option("--relay", default=None, callback=record_field(check_relay_url), help="Relay URL (ws://HOST:PORT/relay) through which this worker is also reachable. The worker then checks its reachability against the DHT's helpers: public -> it also announces a direct QUIC address; behind NAT -> only the relay, and backbones hole-punch to it (not behind a symmetric NAT)."),
@@ -112,7 +128,7 @@ def serving_options(f):
 @click.option("--experts", "experts_", default=None, help="Expert range to host, e.g. 0-31 (default: all in the file).")
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC dispatch (and reachability probes; with --relay use a routable or wildcard host, e.g. 0.0.0.0:0).")
 @click.option("--advertise", default=None, callback=record_field(check_quic_addr), help="HOST:PORT to announce, if not the listen address (with --relay: only if the check finds this node public).")
-@click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT.")
+@dht_listen_opt
 @bootstrap_opt
 @click.option("--memory-budget", default=None, help="RAM the hosted experts may take (e.g. 512M): the worker refuses to start if they do not fit (see `moeswarm inspect`); with --kernel reference, above their float32 size they are dequantized on the fly.")
 @serving_options
@@ -189,46 +205,34 @@ def backbone_group() -> None:
 @bootstrap_opt
 @click.argument("prompt")
 @click.option("--tokens", "n_tokens", default=32, show_default=True)
-@click.option("--wire", default="auto", show_default=True, type=click.Choice(["auto", "f32", "f16", "int8"]), help="auto: f16 once `moeswarm verify --wire f16` passed for the model, else f32.")
 @click.option("--wait-hosts", default=1, show_default=True, help="Wait until each layer has this many hosts.")
-@timeout_opt
-@route_refresh_opt
-@hedge_opt
-@click.option("--listen", default="127.0.0.1:0", show_default=True, help="UDP HOST:PORT for QUIC (use this host's address to reach workers off loopback).")
-@click.option("--dht-listen", default="127.0.0.1:0", show_default=True, help="TCP HOST:PORT for the DHT client.")
-@spot_check_opts
-@click.option("--max-price", default=None, type=int, help="Never use workers asking more per work unit.")
+@backbone_opts
 @click.option("--ledger", "ledger_path", default=None, help="Append every receipt to this ledger (default DATA_DIR/ledger.sqlite).")
-@click.option("--local-experts", default=0, show_default=True, help="Keep this many of each layer's hottest experts local.")
-@click.option("--local-memory", default=None, help="Or: as many hot experts as fit this much RAM, e.g. 2G.")
-@click.option("--remote-experts-only", is_flag=True, help="Compute no routed expert here (a model whose experts do not fit this machine): no local fallback; spot checks re-ask another replica.")
 @click.option("--speculative/--no-speculative", default=True, show_default=True, help="Verify prompt-lookup drafts in one pass (greedy output unchanged).")
 @drafter_opt
 @click.option("--overlap/--no-overlap", default=True, show_default=True, help="Compute the shared expert while a layer's dispatch is in flight.")
 @kernel_options
-@relay_opts
 @data_dir_opt
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, bootstrap_wait, prompt, n_tokens, wire, wait_hosts, timeout, route_refresh, hedge, listen, dht_listen, spot_check, verify_all, max_price, ledger_path, local_experts, local_memory, remote_experts_only, speculative, drafter, overlap, kernel_name, threads, relay_ca, relay_keepalive, data_dir, as_json) -> None:
+def generate_cmd(model_path, bootstrap, bootstrap_wait, prompt, n_tokens, wait_hosts, ledger_path, speculative, drafter, overlap, kernel_name, threads, data_dir, as_json, **backbone) -> None:
     """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     ident = load_identity(home)
-    codec = default_wire(model.digest) if wire == "auto" else Codec.parse(wire)
-    session = dict(codec=codec, timeout=timeout, route_refresh=route_refresh, hedge=hedge, kernel=open_kernel(kernel_name, threads), listen=parse_hostport(listen), dht_listen=dht_listen, spot_check=1.0 if verify_all else spot_check, max_price=max_price, ledger_path=Path(ledger_path) if ledger_path else home / FILENAME,
-                   local_experts=local_experts, local_memory=parse_size(local_memory) if local_memory else None, hold_experts=not remote_experts_only, relay=relay_settings(relay_ca, relay_keepalive))
-    result = asyncio.run(_generate(ident, model, (bootstrap, bootstrap_wait), prompt, n_tokens, wait_hosts, session, stream=not as_json, speculative=speculative, drafter=drafter, overlap=overlap))
+    session = backbone_options(model.digest, Path(ledger_path) if ledger_path else home / FILENAME, **backbone)
+    kernel = open_kernel(kernel_name, threads)
+    result = asyncio.run(_generate(ident, model, (bootstrap, bootstrap_wait), prompt, n_tokens, wait_hosts, kernel, session, stream=not as_json, speculative=speculative, drafter=drafter, overlap=overlap))
     if as_json:
         emit_json(result)
 
 
-async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, session: dict, *, stream: bool, speculative: bool, drafter: str, overlap: bool) -> dict:
+async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, kernel: Kernel, session: BackboneOptions, *, stream: bool, speculative: bool, drafter: str, overlap: bool) -> dict:
     bootstrap, wait = bootstrap
     await check_bootstrap(bootstrap, wait)  # before the dense weights load
     tok = Tokenizer.from_spec(model.tokenizer_spec)
-    bb = Backbone(model, session["kernel"])
+    bb = Backbone(model, kernel)
     drafts = pick_drafter(bb, drafter) if speculative else None  # an MTP refusal before any connection
-    async with backbone_session(ident, model, bootstrap, **session) as moe:
+    async with backbone_session(ident, model, bootstrap, kernel, session) as moe:
         await wait_for_hosts(moe, model.moe_layers, wait_hosts, 60)
         out, elapsed, spec, rollbacks = await stream_tokens(bb, tok, prompt, n_tokens, moe.hook, stream=stream, speculative=speculative, drafter=drafts, overlap=overlap, culprits=moe.checker.culprits, settle=moe.settle_blocking)
         verification = {**moe.checker.summary(), **(rollbacks.summary() if rollbacks else {})}

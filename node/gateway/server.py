@@ -155,6 +155,7 @@ class Gateway:
         body = parse_body(await self._read_body(request))
         tok, context_length = self.engine.tok, self.engine.backbone.cfg.context_length
         job = parse_request(body, chat=chat, served=self.model_name, tok=tok, context_length=context_length, session_header=request.headers.get("X-Session-Id"))
+        assert isinstance(body, dict)  # parse_request refused any other JSON value (400)
         try:
             stream = await self.engine.start(job)
         except QueueFull as exc:

@@ -9,7 +9,7 @@ the deque would undercount, never double count).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +75,7 @@ class BackboneTotals:
     dispatches: dict[str, int] = field(default_factory=dict)  # path ->
     failures: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
-    wire_bytes: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (direction, codec, path) ->
+    wire_bytes: dict[tuple[str, ...], int] = field(default_factory=dict)  # (direction, codec, path) ->
     latency: dict[str, Histogram] = field(default_factory=dict)  # path ->
     last_path: dict[str, str] = field(default_factory=dict)  # peer -> path of its newest dispatch
 
@@ -133,7 +133,7 @@ class NodeCollector(Collector):
         yield _counter("moeswarm_dispatch_failures", "Dispatch requests that failed or timed out, by path.", ["role", "path"], {(role, p): n for p, n in t.failures.items()})
         yield _counter("moeswarm_dispatch_tokens", "Token rows sent to workers.", ["role"], {(role,): t.tokens})
         yield _counter("moeswarm_local_groups", "Expert groups computed locally (no host answered).", ["role"], {(role,): remote.stats.local_groups})
-        yield _counter("moeswarm_wire_bytes", "Dispatch payload bytes, by direction, codec and path.", ["direction", "codec", "path"], dict(t.wire_bytes))
+        yield _counter("moeswarm_wire_bytes", "Dispatch payload bytes, by direction, codec and path.", ["direction", "codec", "path"], t.wire_bytes)
         lat = HistogramMetricFamily("moeswarm_dispatch_latency_seconds", "Round trip of a dispatch, by path.", labels=["path"])
         for path, h in sorted(t.latency.items()):
             lat.add_metric([path], h.buckets(), h.total)
@@ -177,7 +177,7 @@ def _path(worker: Any, peer: str) -> str:
     return str(worker.path_of(PeerId.from_string(peer)))
 
 
-def _counter(name: str, doc: str, labels: list[str], values: dict[tuple[str, ...], int]) -> CounterMetricFamily:
+def _counter(name: str, doc: str, labels: list[str], values: Mapping[tuple[str, ...], int]) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=labels)
     for key, n in sorted(values.items()):
         family.add_metric(list(key), n)

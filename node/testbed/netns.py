@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -149,7 +150,7 @@ def exists(prefix: str) -> bool:
     return state_file(prefix).exists() or any(n.startswith(prefix) for n in list_netns())
 
 
-def teardown(prefix: str, namespaces: list[str] | None = None, procs: list[subprocess.Popen] = ()) -> None:
+def teardown(prefix: str, namespaces: list[str] | None = None, procs: Sequence[subprocess.Popen] = ()) -> None:
     """Kill every process in the run's namespaces, delete the namespaces and the run's state. Idempotent."""
     if not PREFIX_RE.match(prefix):
         raise TestbedError(f"refusing to remove {prefix!r}: not a testbed prefix")
@@ -168,7 +169,7 @@ def teardown(prefix: str, namespaces: list[str] | None = None, procs: list[subpr
     log.info("testbed.down", name=prefix, namespaces=len(names))
 
 
-def _kill_all(names: list[str], procs: list[subprocess.Popen]) -> None:
+def _kill_all(names: list[str], procs: Sequence[subprocess.Popen]) -> None:
     """SIGTERM every process inside `names`, SIGKILL what is left after a grace period, reap our own children."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = {pid for name in names for pid in netns_pids(name)}
@@ -335,6 +336,7 @@ class Testbed:
                 self._veth(p.netns(h.role), WAN_IF, switch, h.role)
                 _run(["ip", "-n", switch, "link", "set", h.role, "master", BRIDGE, "up"])
             if h.kind is Kind.WORKER:
+                assert h.behind is not None  # a worker sits behind its router (Plan checks it)
                 self._veth(p.netns(h.behind), LAN_IF, p.netns(h.role), WORKER_IF)
         for h in p.hosts:
             _run(["ip", "-n", p.netns(h.role), "-batch", "-"], stdin="\n".join(link_commands(h)) + "\n")
@@ -365,16 +367,17 @@ class Testbed:
 
     def _wait_ready(self, starting: dict[str, subprocess.Popen], logs: Path) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
+        pipes = {role: proc.stdout for role, proc in starting.items() if proc.stdout is not None}  # all: stdout=PIPE
         while starting:
-            by_fd = {proc.stdout.fileno(): role for role, proc in starting.items()}
+            by_fd = {pipes[role].fileno(): role for role in starting}
             readable, _, _ = select.select(list(by_fd), [], [], max(0.0, deadline - time.monotonic()))
             if not readable:
                 raise TestbedError(f"delay daemons for {', '.join(starting)} not ready after {READY_TIMEOUT:.0f} s (logs in {logs})")
             for fd in readable:
                 role = by_fd[fd]
                 proc = starting.pop(role)
-                line = proc.stdout.readline()
-                proc.stdout.close()
+                line = pipes[role].readline()
+                pipes[role].close()
                 if line.strip() != b"ready":
                     tail = (logs / f"{role}.delayd.log").read_text(errors="replace").strip()
                     raise TestbedError(f"delay daemon for {role} failed to start: {tail}")
@@ -387,7 +390,9 @@ class Testbed:
 
     def addr(self, role: str) -> str:
         """The host's address on its uplink: a WAN address for public hosts and routers, a LAN one for workers."""
-        return self.plan.host(role).addr
+        addr = self.plan.host(role).addr
+        assert addr is not None  # Plan gives every host an uplink address
+        return addr
 
     def exec_prefix(self, role: str) -> list[str]:
         """Put before a command to run it in `role`'s namespace (``NodeProcess(prefix=...)``)."""

@@ -143,6 +143,7 @@ def link_delays(p: Plan, rtt_ms: float, links: dict[str, float] | None = None) -
     for role, ms in (links or {}).items():
         host = p.host(role)
         if host.kind is Kind.WORKER:
+            assert host.behind is not None  # a worker sits behind its router (Plan checks it)
             host = p.host(host.behind)
         if not host.on_wan:
             raise TestbedError(f"{role!r} has no WAN link to delay (give a public host, router or worker)")

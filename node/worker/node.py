@@ -157,6 +157,7 @@ class WorkerNode:
             stack.callback(relay_path.detach)
             relay_path.client.start()
             await relay_path.client.wait_connected(30)
+            assert relay_path.client.relay_peer is not None  # wait_connected returned: the relay said who it is
             self.relay_addr = RelayAddress(opts.relay, relay_path.client.relay_peer)
         self.reach = reach = NodeReachability(endpoint, dht, recheck=opts.recheck_s)  # answers probes on the QUIC socket in every mode
         stack.push_async_callback(reach.close)

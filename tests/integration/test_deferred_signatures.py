@@ -18,6 +18,7 @@ from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.tokenizer import Tokenizer
+from node.backbone.options import BackboneOptions
 from node.backbone.provenance import Provenance, Rollback, exact_generate
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
@@ -97,7 +98,7 @@ def test_a_worker_killed_between_its_replies_and_their_signature_is_paid_only_fo
 
         async def run():
             k = kernel()
-            async with backbone_session(Identity.generate(), model, [boot], timeout=2.0, spot_check=0.0, kernel=k, ledger_path=bb_ledger) as moe:
+            async with backbone_session(Identity.generate(), model, [boot], k, BackboneOptions(timeout=2.0, spot_check=0.0, ledger_path=bb_ledger)) as moe:
                 await wait_for_hosts(moe, model.layers, 1, 60)
                 moe.signatures.pending.delay = 3600.0  # batches only when settled by hand below (or at the sequence's end)
                 provenance = Provenance(moe.checker.culprits, moe.settle_blocking)

@@ -18,6 +18,7 @@ from experts.gguf_model import GGUFModel
 from experts.moe import Partition
 from experts.tokenizer import Tokenizer
 from node.backbone.dispatch import RemoteMoE
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster, NodeProcess
 from p2p import wire
@@ -92,7 +93,7 @@ def test_sigterm_with_a_dispatch_in_flight_loses_nothing(model, tmp_path, monkey
 
         async def main():
             k = kernel()
-            async with backbone_session(Identity.generate(), model, [boot], timeout=60.0, kernel=k) as moe:
+            async with backbone_session(Identity.generate(), model, [boot], k, BackboneOptions(timeout=60.0)) as moe:
                 session.append(moe)
                 await wait_for_hosts(moe, model.layers, 2, 60)
                 await async_until(lambda: victim_id in moe.router.health, timeout=60)  # vetted (pinged), not only announced

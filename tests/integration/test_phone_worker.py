@@ -27,6 +27,7 @@ from experts.moe import Partition, grouped_moe
 from experts.packed_experts import PackedExperts
 from experts.random_model import random_config, write_random_model
 from experts.slices import write_slice
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster, LaunchError, NodeProcess
 from p2p.identity import Identity
@@ -98,7 +99,7 @@ def dispatches(cfg) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
 
 
 async def dispatch_all(model: GGUFModel, boot: str) -> tuple[list[np.ndarray], dict]:
-    async with backbone_session(Identity.generate(), model, [boot], kernel=kernel(), timeout=30.0) as moe:
+    async with backbone_session(Identity.generate(), model, [boot], kernel(), BackboneOptions(timeout=30.0)) as moe:
         await wait_for_hosts(moe, model.layers, 1, 60)
         remote = [await moe.dispatch_layer(0, x, ids, w) for x, ids, w in dispatches(model.cfg)]
         return remote, moe.stats.summary()

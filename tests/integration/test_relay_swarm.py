@@ -15,6 +15,7 @@ from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.tokenizer import Tokenizer
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
 from p2p.identity import Identity
@@ -64,7 +65,7 @@ def test_relay_only_worker_serves_exactly_and_survives_a_relay_restart(tmp_path)
                     wait_for_log(relay.log_file, "relay.client_connected", f"peer={peer}", since=restart, timeout=60)
 
         async def run():
-            async with backbone_session(backbone_id, model, [boot], timeout=1.0, kernel=bb.kernel) as moe:
+            async with backbone_session(backbone_id, model, [boot], bb.kernel, BackboneOptions(timeout=1.0)) as moe:
                 await wait_for_hosts(moe, model.layers, 1, 60)
                 return await generate_off_loop(bb, moe.hook, ids, n, chaos), moe
 

@@ -22,6 +22,7 @@ from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.tokenizer import Tokenizer
 from node.backbone.dispatch import RemoteMoE
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
 from p2p.identity import Identity, PeerId
@@ -124,7 +125,7 @@ def test_worker_and_backbone_through_the_proxy_survive_its_restart(swarm):
 
     async def run():
         bb = Backbone(model, kernel())
-        async with backbone_session(backbone_id, model, [swarm["boot"]], timeout=2.0, relay=RelaySettings(ca_file=swarm["ca"].ca), kernel=bb.kernel) as moe:
+        async with backbone_session(backbone_id, model, [swarm["boot"]], bb.kernel, BackboneOptions(timeout=2.0, relay=RelaySettings(ca_file=swarm["ca"].ca))) as moe:
             session["moe"] = moe
             await wait_for_hosts(moe, model.layers, 1, 60)
             return await generate_off_loop(bb, moe.hook, ids, n, chaos), moe

@@ -20,6 +20,7 @@ from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.speculative import speculative_generate
 from experts.tokenizer import Tokenizer
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
 from node.ledger.store import Ledger
@@ -45,7 +46,7 @@ def test_malicious_worker_is_caught_disputed_and_banned(tmp_path):
 
         async def run():
             k = kernel()  # the cheat's kernel (it is the real worker's): its sums are checked bit for bit
-            async with backbone_session(Identity.generate(), model, [boot], timeout=3.0, spot_check=0.1, spot_seed=7, kernel=k) as moe:
+            async with backbone_session(Identity.generate(), model, [boot], k, BackboneOptions(timeout=3.0, spot_check=0.1, spot_seed=7)) as moe:
                 await wait_for_hosts(moe, model.layers, 1, 60)
                 bb = Backbone(model, k)
                 await asyncio.to_thread(lambda: list(generate(bb, ids, 40, moe.hook)))

@@ -16,6 +16,7 @@ from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.tokenizer import Tokenizer
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster
 from node.verdicts import record_verdict
@@ -45,7 +46,7 @@ def local_run(model, part, prompt_ids):
 
 async def remote_run(model, boot, prompt_ids, *, codec=Codec.F32, hosts_per_layer=1, on_token=None, timeout=5.0):
     k = kernel()
-    async with backbone_session(Identity.generate(), model, [boot], codec=codec, timeout=timeout, kernel=k) as moe:
+    async with backbone_session(Identity.generate(), model, [boot], k, BackboneOptions(codec=codec, timeout=timeout)) as moe:
         await wait_for_hosts(moe, model.layers, hosts_per_layer, 60)
         bb = Backbone(model, k)
 

@@ -16,6 +16,7 @@ from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.moe import Partition, grouped_moe
 from experts.slices import check_slice
+from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from p2p.identity import Identity
 from tests.support import moeswarm
@@ -31,7 +32,7 @@ PROMPT = [264, 72, 101, 108, 108, 111]
 
 async def remote_run(model: GGUFModel, boot: str) -> list:
     bb, _ = local_engine(model)
-    async with backbone_session(Identity.generate(), model, [boot], codec=Codec.F32, kernel=bb.kernel) as moe:
+    async with backbone_session(Identity.generate(), model, [boot], bb.kernel, BackboneOptions(codec=Codec.F32)) as moe:
         await wait_for_hosts(moe, model.moe_layers, 1, 60)
         return await asyncio.to_thread(lambda: list(generate(bb, PROMPT, N_TOKENS, moe.hook)))
 
