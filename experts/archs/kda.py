@@ -38,9 +38,9 @@ class KimiDeltaAttention(LatentAttention):
     def read(self, k: Keys, head_dim: int, n_layer: int) -> dict:
         """The MLA keys (absorbed layout only), ``ssm.conv_kernel`` and ``kda.head_dim``; the layer schedule comes from
         the head_count_kv array (:meth:`experts.archs.kimi.KimiLinear.read_heads`)."""
+        for key in ("attention.key_length_mla", "attention.value_length_mla"):  # required: no legacy attn_kv_b layout
+            k.req(key)  # (llama.cpp's kimi-linear fallback for it puts the k_pe part first in K but last in Q)
         fields = super().read(k, head_dim, n_layer)
-        if fields["mla_kv_b"]:
-            raise ModelFormatError(f"{k.prefix}attention.key_length_mla / value_length_mla are missing: llama.cpp's kimi-linear loader requires both (and its legacy attn_kv_b fallback puts the k_pe part first in K but last in Q)")
         if fields["q_lora_rank"]:
             raise ModelFormatError(f"{k.prefix}attention.q_lora_rank is {fields['q_lora_rank']}: llama.cpp's kimi-linear loader does not read it (its MLA layers have one attn_q)")
         conv, state = int(k.req("ssm.conv_kernel")), int(k.req("kda.head_dim"))

@@ -45,7 +45,7 @@ KIMI_LINEAR = KimiLinear(
     shared=SharedByCount(),
     schedule=DenseLead(),
     tied_output=False,
-    # Kimi-Linear's router (sigmoid, routed scale 2.446), one dense lead layer; MLA with V3's proportions (rope part
-    # nope/2, though un-rotated here)
-    random=RandomFeatures(n_dense_lead=1, rot_div=3, gating="sigmoid", scale=2.446),
+    # Kimi-Linear's router (sigmoid; routed scale 2.5, near its 2.446 and exact in float32 so configs read back
+    # equal), one dense lead layer; MLA with V3's proportions (rope part nope/2, though un-rotated here)
+    random=RandomFeatures(n_dense_lead=1, rot_div=3, gating="sigmoid", scale=2.5),
 )
