@@ -155,8 +155,10 @@ class ModelConfig:
 
     @property
     def gdn_row_floats(self) -> int:
-        """Floats a gated delta-net layer caches per position (its conv input, beta and g: experts.delta_net)."""
-        return self.gdn_conv_dim + 2 * self.ssm_v_heads
+        """Floats a gated delta-net layer caches per position (its conv input, beta and g: experts.delta_net); KDA's
+        g has one decay per key dim (experts.kda)."""
+        decays = self.ssm_state if self.spec.attention.key_decay else 1
+        return self.gdn_conv_dim + self.ssm_v_heads * (1 + decays)
 
     @property
     def gdn_state_floats(self) -> int:

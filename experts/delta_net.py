@@ -115,14 +115,20 @@ class DeltaNet:
     def output(self, cfg: ModelConfig, o: np.ndarray, z: np.ndarray) -> np.ndarray:
         """W_out of each head's RMS-normed output gated by silu(z)."""
         n, n_v, S = o.shape[0], cfg.ssm_v_heads, cfg.ssm_state
-        ms = np.mean(o.astype(np.float64) ** 2, axis=-1, keepdims=True)
-        normed = o / np.sqrt(ms + cfg.rms_eps).astype(np.float32) * self.norm
-        return self.out((normed * silu(z.reshape(n, n_v, S))).reshape(n, n_v * S))
+        return self.out((head_norm(o, self.norm, cfg.rms_eps) * silu(z.reshape(n, n_v, S))).reshape(n, n_v * S))
+
+
+def head_norm(o: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Each head's output (n, heads, S) RMS-normed over its S values, times the norm weight (both recurrences)."""
+    ms = np.mean(o.astype(np.float64) ** 2, axis=-1, keepdims=True)
+    return o / np.sqrt(ms + eps).astype(np.float32) * weight
 
 
 def key_heads(cfg: ModelConfig) -> np.ndarray:
     """The k head each v head reads: grouped (qwen3next) or tiled (qwen35moe)."""
     j = np.arange(cfg.ssm_v_heads)
+    if cfg.ssm_k_heads == cfg.ssm_v_heads:  # one key head per value head (and KDA, which has no gated delta-net spec)
+        return j
     return j % cfg.ssm_k_heads if _spec(cfg).tiled_v else j // (cfg.ssm_v_heads // cfg.ssm_k_heads)
 
 
@@ -136,7 +142,8 @@ def _spec(cfg: ModelConfig) -> GatedDeltaNet:
 def scan(cfg: ModelConfig, conv: np.ndarray, rows: np.ndarray, start: int, stop: int, state: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
     """Run positions start..stop-1 of a recurrent layer over its cached *rows* from *state* (the state after *start*
     positions): (outputs (stop - start, n_v, S), the state after *stop*, the states at multiples of
-    :data:`CHECKPOINT_EVERY` on the way). One token at a time with the same shapes whatever the batch, so the bits
+    :data:`CHECKPOINT_EVERY` on the way). A row is ``[mixed, beta (n_v), g]`` with g one decay per head (gated
+    delta-net) or one per key dim of each head (KDA, :mod:`experts.kda`: n_v * S floats). One token at a time with the same shapes whatever the batch, so the bits
     of a position never depend on how its tokens were grouped into calls (or whether it is recomputed)."""
     K, n_k, n_v, S = cfg.ssm_conv, cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
     cd, kd = cfg.gdn_conv_dim, cfg.gdn_key_dim
@@ -150,11 +157,11 @@ def scan(cfg: ModelConfig, conv: np.ndarray, rows: np.ndarray, start: int, stop:
     q = l2_norm(y[:, :kd].reshape(-1, n_k, S), cfg.rms_eps)[:, heads]
     k = l2_norm(y[:, kd : 2 * kd].reshape(-1, n_k, S), cfg.rms_eps)[:, heads]
     v = y[:, 2 * kd :].reshape(-1, n_v, S)
-    beta, g = rows[start:stop, cd : cd + n_v], rows[start:stop, cd + n_v :]
+    beta, g = rows[start:stop, cd : cd + n_v], rows[start:stop, cd + n_v :].reshape(stop - start, n_v, -1)
     out = np.empty((stop - start, n_v, S), dtype=np.float32)
     kept = {}
     for t in range(stop - start):
-        state = state * np.exp(g[t])[:, None, None]
+        state = state * np.exp(g[t])[:, :, None]  # g[t] (n_v, 1): one decay per head; (n_v, S) under KDA: per key dim
         kt = np.ascontiguousarray(k[t])[:, None, :]  # (n_v, 1, S)
         delta = (v[t] - np.matmul(kt, state)[:, 0]) * beta[t][:, None]
         state = state + kt.transpose(0, 2, 1) * delta[:, None, :]

@@ -26,6 +26,7 @@ from .delta_net import DeltaNet, advance
 from .dense_weights import FFN, DenseLinear, DenseWeights, Linear, PackedWeights, mm, weights_for
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
+from .kda import KimiDelta
 from .kernels import Kernel
 from .moe import route, route_margin, sigmoid, slot_sum, softmax, weight_inputs
 
@@ -250,7 +251,7 @@ class Layer:
     shexp: tuple[np.ndarray | None, FFN] | None  # (sigmoid gate or None for an un-gated one, the expert's gate/up/down)
     ffn: FFN | None  # a dense layer's FFN
     mla: MLA | None = None
-    gdn: DeltaNet | None = None
+    gdn: DeltaNet | KimiDelta | None = None  # a recurrent layer: gated delta-net, or KDA (kimi-linear)
     head_gate: Linear | None = None  # attn_gate (step35): each head's attention output times sigmoid(its row . x)
 
 
@@ -293,8 +294,9 @@ class Backbone:
         if moe and cfg.n_ff_shexp:
             gate = d(b + "ffn_gate_inp_shexp.weight") if self.arch.shared.gated else None
             shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight", cfg.glu_shexp(i)))
-        mla = MLA.load(model, lin, b) if self.arch.attention.latent else None
-        gdn = DeltaNet.load(model, lin, b) if cfg.is_recurrent(i) else None
+        recurrent = cfg.is_recurrent(i)
+        mla = MLA.load(model, lin, b) if self.arch.attention.latent and not recurrent else None  # kimi-linear: MLA between KDA layers
+        gdn = (KimiDelta if self.arch.attention.key_decay else DeltaNet).load(model, lin, b) if recurrent else None
         q, k, v = self._qkv(lin, b) if mla is None and gdn is None else (None, None, None)
         return Layer(
             attn_norm=d(b + "attn_norm.weight"),
@@ -395,8 +397,8 @@ class Backbone:
         y = L.wo(flat if gate is None else flat * sigmoid(gate))
         return y if L.bo is None else y + L.bo
 
-    def linear_attention(self, i: int, G: DeltaNet, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
-        """A gated delta-net layer: its per-position inputs join the cache, then the recurrence runs over them."""
+    def linear_attention(self, i: int, G: DeltaNet | KimiDelta, h: np.ndarray, pos: np.ndarray, cache: KVCache) -> np.ndarray:
+        """A gated delta-net (or KDA) layer: its per-position inputs join the cache, then the recurrence runs over them."""
         rows, z = G.inputs(self.cfg, h)
         cache.extend(i, rows, np.empty((h.shape[0], 0), dtype=np.float32))
         return G.output(self.cfg, advance(self.cfg, G.conv, cache.k[i], cache.states.setdefault(i, {}), int(pos[0]), h.shape[0]), z)
@@ -409,8 +411,10 @@ class Backbone:
         q = A.wq(h if A.wq_a is None or A.q_a_norm is None else rms_norm(A.wq_a(h), A.q_a_norm, eps)).reshape(n, heads, cfg.head_dim)
         kv = A.wkv_a(h)
         style, base = self.arch.attention.rope, cfg.rope_base(i)
-        k_pe = rope(np.ascontiguousarray(kv[:, None, lat:]), pos, base, style, yarn=self.yarn)[:, 0]
-        q_pe = rope(np.ascontiguousarray(q[..., nope:]), pos, base, style, yarn=self.yarn)
+        k_pe, q_pe = np.ascontiguousarray(kv[:, lat:]), np.ascontiguousarray(q[..., nope:])
+        if cfg.uses_rope(i):  # kimi-linear's MLA is NoPE: its "rope" dims stay as projected
+            k_pe = rope(k_pe[:, None], pos, base, style, yarn=self.yarn)[:, 0]
+            q_pe = rope(q_pe, pos, base, style, yarn=self.yarn)
         q_abs = np.stack([A.k_b[j](np.ascontiguousarray(q[:, j, :nope])) for j in range(heads)], axis=1)
         queries = np.concatenate([q_abs, q_pe], axis=-1)  # (n, heads, lat + rope)
         rows = np.concatenate([rms_norm(kv[:, :lat], A.kv_a_norm, eps), k_pe], axis=-1)  # (n, lat + rope): what is cached

@@ -27,7 +27,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 # Small tensors stay F32 whatever the requested type, as llama.cpp's converter does:
 # norms, biases (the stacked expert biases too) and the router are tiny and precision-sensitive.
 def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) == 1 or name.endswith((".bias", "ffn_gate_inp.weight", "ssm_conv1d.weight"))
+    # as llama-quantize: no conv1d weights (Kimi's ssm_conv1d_{q,k,v} too), nothing not ending in "weight" (Kimi's 2-D ssm_a)
+    return len(shape) == 1 or "ssm_conv1d" in name or name.endswith((".bias", "ffn_gate_inp.weight", "ssm_a"))
 
 
 def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:

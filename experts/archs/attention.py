@@ -39,6 +39,7 @@ class Attention:
     optional: tuple[str, ...] = ()  # of its per-layer tensors, those llama.cpp loads only if present
     latent: ClassVar[bool] = False  # the forward's MLA path (:class:`.mla.LatentAttention`)
     gated_q: ClassVar[bool] = False  # attn_q holds per head [q, gate] rows (the delta-net hybrids' full layers)
+    key_decay: ClassVar[bool] = False  # recurrent layers decay each key dim of the state (KDA), not each head
 
     @property
     def optional_tensors(self) -> tuple[str, ...]:
