@@ -28,6 +28,7 @@ from .errors import ModelFormatError
 from .gguf_model import GGUFModel
 from .kda import KimiDelta
 from .kernels import Kernel
+from .layer_span import LayerSpan
 from .moe import route, route_margin, sigmoid, slot_sum, softmax, weight_inputs
 
 # The hook returns a Future of the routed sum, always: the forward computes the shared expert (an
@@ -263,7 +264,10 @@ class Backbone:
     :mod:`experts.dense_weights`). Norms and biases are small vectors and are always float32.
     """
 
-    def __init__(self, model: GGUFModel, kernel: Kernel | None = None) -> None:
+    def __init__(self, model: GGUFModel, kernel: Kernel | None = None, *, layers: range | None = None, head: bool = True) -> None:
+        """*layers* (default every trunk layer) are the layers loaded, *head* whether the embeddings and output head
+        are: a stage loads its layers without the head, a client the head without layers (experts/stage_forward.py),
+        each from slices (:class:`experts.model_parts.SlicedModel`) that hold only those tensors."""
         if model.is_slice:
             raise ModelFormatError(f"{model.path} is a slice; the backbone needs the full model file (give --model the file the slice was cut from)")
         self.model = model
@@ -273,11 +277,12 @@ class Backbone:
         d = model.dense
         lin = weights_for(model, kernel)
         opt = lambda name: d(name) if model.has(name) else None  # noqa: E731
-        self.tok_embd = lin.linear("token_embd.weight")
-        self.output_norm = d("output_norm.weight")
-        self.output = lin.linear("output.weight") if model.has("output.weight") else self.tok_embd
+        if head:  # a stage has none: forward() is the client's, a stage runs blocks (StageRunner)
+            self.tok_embd = lin.linear("token_embd.weight")
+            self.output_norm = d("output_norm.weight")
+            self.output = lin.linear("output.weight") if model.has("output.weight") else self.tok_embd
         self._weights = lin
-        self.layers = [self._load_layer(i) for i in range(cfg.n_layer)]
+        self.layers = [self._load_layer(i) for i in range(cfg.n_layer)] if layers is None else LayerSpan(layers.start, [self._load_layer(i) for i in layers])
         self.router_params = cfg.router
         self.rope_freqs = opt("rope_freqs.weight") if self.arch.attention.rope_freqs else None
         # llama4's weightless q/k norm after RoPE, which llama.cpp leaves out for 128-expert models (Maverick)
