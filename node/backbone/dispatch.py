@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -80,6 +80,10 @@ class HostBusy(DispatchFailed):
     """The host refused with OVERLOADED: it is saturated (other backbones), did no work, and may be asked again soon."""
 
 
+# Refusals that are no dispatch (the worker did no work): what each error code means for the host that sent it.
+REFUSALS: dict[wire.ErrorCode, type[DispatchFailed]] = {wire.ErrorCode.DRAINING: HostDraining, wire.ErrorCode.OVERLOADED: HostBusy}
+
+
 class HostTimedOut(DispatchFailed):
     """No answer within the dispatch's deadline (counted towards demotion: a dead, overloaded or sybil host)."""
 
@@ -121,7 +125,7 @@ class DispatchStats:
     # Bounded: a long-running gateway keeps the recent window (the ledger keeps everything).
     records: deque[DispatchRecord] = field(default_factory=lambda: deque(maxlen=KEEP_RECENT))
     local_groups: int = 0
-    refusals: dict[str, int] = field(default_factory=dict)  # worker refusals that were no dispatch, by code (draining, overloaded)
+    refusals: Counter[str] = field(default_factory=Counter)  # worker refusals that were no dispatch, by code (draining, overloaded)
     tokens_forwarded: int = 0  # token-layer visits of the forward (denominator for bytes per token per layer)
     # (remote hosts asked, wall ms) per layer dispatch: a star fan-out should take ~ its slowest round trip, not the sum
     layers: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=KEEP_RECENT))
@@ -481,7 +485,7 @@ class RemoteMoE:
             except wire.ProtocolError as exc:
                 raise DispatchFailed(f"malformed reply: {exc}") from None
             if isinstance(msg, wire.ErrorReply):
-                refusal = {wire.ErrorCode.DRAINING: HostDraining, wire.ErrorCode.OVERLOADED: HostBusy}.get(msg.code)
+                refusal = REFUSALS.get(msg.code)
                 refused = msg.code.name.lower() if refusal is not None else None
                 raise (refusal or DispatchFailed)(f"worker error {msg.code.name}: {msg.message}")
             if not isinstance(msg, wire.DispatchReply) or msg.dispatch_id != req.dispatch_id or msg.n_tokens != n:
@@ -497,7 +501,7 @@ class RemoteMoE:
         finally:
             latency = (time.perf_counter() - t0) * 1e3
             if refused:  # a draining or saturated host's refusal is no dispatch: it did no work, the group goes elsewhere
-                self.stats.refusals[refused] = self.stats.refusals.get(refused, 0) + 1
+                self.stats.refusals[refused] += 1
             else:
                 self.stats.records.append(DispatchRecord(layer, str(host.peer_id), path, n, len(data), reply_len, latency, ok, worker_ms, probe, timed_out))
             log.debug("dispatch.done", peer=str(host.peer_id), path=path, layer=layer, n_tokens=n, bytes_out=len(data), bytes_back=reply_len, latency_ms=round(latency, 3), ok=ok, probe=probe)

@@ -266,9 +266,11 @@ class Router:
 
     def busy(self, peer: PeerId, now: float) -> None:
         """*peer* refused with OVERLOADED (its in-flight caps are full: other backbones keep it busy). No failure is
-        counted and it stays askable; for ``BUSY_S`` it ranks after its ready replicas, so its load spreads to them."""
+        counted and it stays askable; for ``BUSY_S`` it ranks after its ready replicas, so its load spreads to them.
+        A benched host's probe that was refused so ends too: it is probed again once the bench allows."""
         h = self.health[peer]
         h.inflight -= 1
+        h.probing = False
         h.benched_until = max(h.benched_until, now + BUSY_S)
 
     def relay_restored(self, url: str, now: float) -> list[PeerId]:

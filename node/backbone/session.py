@@ -98,11 +98,11 @@ async def wait_for_hosts(moe: RemoteMoE, layers: Sequence[int], n_hosts: int, de
     not waited on; which hosts get dispatches is decided by the routes ``refresh`` builds from vetted lookups."""
     deadline = time.monotonic() + deadline_s
     discovery = moe.discovery
-    announced = discovery.announced if isinstance(discovery, VettedDiscovery) else discovery.lookup  # the DHT, unvetted: refresh() vets
+    assert isinstance(discovery, VettedDiscovery)  # backbone_session's
     while True:
         counts = []
         for layer in layers:
-            counts.append(len(await announced(moe.model_digest, layer)))
+            counts.append(len(await discovery.announced(moe.model_digest, layer)))  # the DHT, unvetted: refresh() vets
         if min(counts) >= n_hosts:
             await moe.refresh(layers)
             return

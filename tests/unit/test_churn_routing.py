@@ -214,3 +214,24 @@ def test_a_pinged_host_never_dispatched_to_gets_the_floor_deadline_not_the_cap()
     router.pinged(a.peer_id, 1.0)  # a later ping does not overwrite what dispatches measured
     assert router.health[a.peer_id].rtt_ms == 100.0
     assert router.deadline(a.peer_id, 4, cap=30.0) == pytest.approx(DEADLINE_K * (0.1 + 0.4) + DEADLINE_MARGIN_S)
+
+
+def test_a_busy_answer_to_a_probe_leaves_the_host_probed_again_not_stuck():
+    """A benched host whose probe is refused OVERLOADED (full, not broken) is probed again once its bench allows,
+    and an OVERLOADED refusal while ready counts no failure and only ranks it after its replica for BUSY_S."""
+    a, b = Identity.generate(), Identity.generate()
+    router = Router(n_expert=8)
+    route = router.update(0, [record(a, [(0, 8)], 1), record(b, [(0, 8)], 2)])
+    answered(router, a.peer_id, rtt_ms=1.0)
+    answered(router, b.peer_id, rtt_ms=30.0)
+    router.started(a.peer_id)
+    router.busy(a.peer_id, now=0.0)
+    assert router.health[a.peer_id].failures == 0
+    assert peers(router.plan(route, 0, now=0.1).ask) == [b.peer_id, a.peer_id]  # after its replica while busy
+    assert peers(router.plan(route, 0, now=routing.BUSY_S).ask) == [a.peer_id, b.peer_id]  # first again after it
+    router.started(a.peer_id)
+    router.failed(a.peer_id, now=10.0)
+    assert peers(router.plan(route, 0, now=11.0).probe) == [a.peer_id]
+    router.started(a.peer_id)
+    router.busy(a.peer_id, now=11.0)  # the probe's answer: OVERLOADED
+    assert peers(router.plan(route, 0, now=11.0 + routing.BUSY_S).probe) == [a.peer_id]
