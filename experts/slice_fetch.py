@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,10 +208,18 @@ class Staging:
 
     def write(self, item: ExpertRows, data: bytes) -> None:
         """Atomic by rename, not fsynced: a killed process loses nothing written, and after a power cut a torn file
-        fails its hash on resume (:meth:`verified`) and is fetched again."""
-        tmp = self.path(item.leaf).with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, self.path(item.leaf))
+        fails its hash on resume (:meth:`verified`) and is fetched again.
+
+        Each write has its own temporary name: files are named by content, and two items with the same bytes (two
+        equal norm tensors) are one file that two lanes may write at once."""
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f"{item.leaf[:16]}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path(item.leaf))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def read(self, leaf: str, nbytes: int) -> np.ndarray:
         data = np.fromfile(self.path(leaf), dtype=np.uint8)

@@ -124,11 +124,14 @@ class NodeStatus:
 
 
 def with_last_round(records: list[Any], last: Any, now: float) -> list[Any]:
-    """This round's host records, or, when the lookup found no host at all, the previous round's still-live ones:
-    one lookup that timed out on a busy node must not flip /readyz to 503 for hosts that are there. A lookup that
-    finds some hosts is taken as it is, so a worker that left disappears at the next refresh whenever others remain
-    (the last host of a layer, one refresh later)."""
-    return records if records else [r for r in last if r.is_live(now)]
+    """This round's host records plus the still-live ones the previous round found and this one missed.
+
+    A lookup on a busy node can time out on some of the hosts it asks and return the others: taken as it is,
+    one such round flips /readyz to 503 (and the ready gauge to 0) for hosts that are there. So a host gets one
+    round's grace: ``last`` is the previous round's raw answer, so a host missing twice in a row is gone, and a
+    worker that left disappears at most two refreshes later. A withdrawn or expired record is never carried."""
+    peers = {r.peer_id for r in records}
+    return [*records, *(r for r in last if r.peer_id not in peers and r.is_live(now))]
 
 
 def ledger_totals(path: Path) -> LedgerTotals | None:

@@ -90,6 +90,19 @@ def test_staged_and_written_slice_equals_the_cut(tmp_path):
     assert staging.verified(items) == set(items[1:])  # the torn file is not trusted, the rest is kept
 
 
+def test_two_lanes_staging_items_with_equal_bytes_at_once_both_succeed(tmp_path):
+    """Files are named by content: two items with the same bytes (two equal norms) are one file, and two lanes may
+    write it at the same moment. With one shared temporary name the second rename found no file (CI, 2026-12-07)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    item = layout().items()[0]
+    data = MODEL.expert_rows(item.name, item.expert).tobytes()
+    staging = Staging(tmp_path / "s.gguf.parts")
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: staging.write(item, data), range(400)))
+    assert staging.verified([item]) == {item} and [p.name for p in staging.dir.iterdir()] == [staging.path(item.leaf).name]
+
+
 def test_the_whole_model_from_its_manifest_sizes_experts_as_the_file_does(model_dir):
     """`join --fetch` has only the digest: a verified manifest gives the model's layers, experts and each expert's
     bytes (here quantized: block-aligned rows), as the file would; a manifest of another digest gives nothing."""

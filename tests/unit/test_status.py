@@ -50,8 +50,9 @@ def test_host_summaries_merge_the_cells_back_into_each_hosts_ranges():
 
 
 def test_one_lookup_that_misses_a_host_does_not_make_the_node_unready():
-    """A lookup round that finds no host (a timeout on a busy node) keeps the last round's live hosts once; the next
-    empty round drops them, a round that finds some hosts is taken as it is, and an expired record is never kept."""
+    """A lookup round that misses a host (a timeout on a busy node) keeps the last round's live record of it once:
+    an empty round, or one that found only the other host of a layer. Missed twice, the host is dropped, and an
+    expired record is never kept."""
     import time
 
     now = int(time.time())
@@ -68,11 +69,15 @@ def test_one_lookup_that_misses_a_host_does_not_make_the_node_unready():
         asyncio.run(status.refresh())
         verdicts.append(status.not_ready())
     assert verdicts == [None, None, "layers 0 lack hosts for some experts"]
-    other = HostRecord(B.peer_id, live.hosted, now - 10, now + 600, 1)
-    answers[:] = [[live, other], [other]]  # a lookup that finds some hosts is taken as it is: A left
-    asyncio.run(status.refresh())
-    asyncio.run(status.refresh())
-    assert {h.peer for c in status.coverage.cells for h in c.hosts} == {str(B.peer_id)}
+    half = HostedSlice(DIGEST, 0, ((0, 16),), quic_addr="127.0.0.1:1")
+    a, b = HostRecord(A.peer_id, half, now - 10, now + 600, 1), HostRecord(B.peer_id, HostedSlice(DIGEST, 0, ((16, 32),), quic_addr="127.0.0.1:2"), now - 10, now + 600, 1)
+    answers[:] = [[a, b], [b], [b]]  # A answers no more: kept for the round that missed it, gone at the next
+    hosts = []
+    for _ in range(3):
+        asyncio.run(status.refresh())
+        hosts.append(({h.peer for c in status.coverage.cells for h in c.hosts}, status.not_ready()))
+    both = {str(A.peer_id), str(B.peer_id)}
+    assert hosts == [(both, None), (both, None), ({str(B.peer_id)}, "layers 0 lack hosts for some experts")]
     expired = HostRecord(A.peer_id, live.hosted, now - 700, now - 100, 1)
     answers[:] = [[expired], []]
     asyncio.run(status.refresh())
