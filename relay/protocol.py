@@ -31,8 +31,8 @@ from typing import ClassVar, Self
 
 from experts import errors
 from experts.errors import MoeSwarmError
-from p2p.frames import Reader, exact_bytes, prefixed
 from p2p.identity import PeerId
+from p2p.wire.frames import Reader, exact_bytes, prefixed
 
 SUBPROTOCOL = "moeswarm-relay.v1"  # the WebSocket subprotocol (an HTTP token): versions the whole frame set
 AUTH_DOMAIN = b"moeswarm-relay.v1 client auth\x00"  # domain separation: this signature means nothing elsewhere

@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 
 from experts.moe import Partition
 from p2p.backoff import Backoff
+from p2p.dht.records import HostRecord, RelayAddress
 from p2p.identity import PeerId
 from p2p.pathkind import Path
-from p2p.records import HostRecord, RelayAddress
 
 LEAVING_S = 60.0  # longer than a drain (withdraw, then finish within its deadline); a worker restarted under the same key is used again after it
 DEFAULT_RTT_MS = 50.0  # prior for a host never measured: tried, but after measured fast ones

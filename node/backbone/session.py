@@ -25,11 +25,11 @@ from node.ledger.sink import LedgerSink
 from node.outbound import connector_on
 from node.status.server import model_shape
 from node.verdicts import require_verified
-from p2p.dht import LibP2PDiscovery
-from p2p.discovery import CachedDiscovery
+from p2p.dht.discovery import CachedDiscovery
+from p2p.dht.kademlia import LibP2PDiscovery
+from p2p.dht.vetting import VettedDiscovery, ping_probe
 from p2p.identity import Identity
-from p2p.quic import Endpoint
-from p2p.vetting import VettedDiscovery, ping_probe
+from p2p.quic.endpoint import Endpoint
 from relay.client import RelaySettings
 
 log = structlog.get_logger("node.backbone.session")

@@ -37,11 +37,11 @@ from typing import Any
 import trio
 import trio.testing
 
-from p2p.dht import QUERY_TIMEOUT, WALK_WIDTH, _Node
-from p2p.dht_libp2p import libp2p_api
+from p2p.dht.kademlia import QUERY_TIMEOUT, WALK_WIDTH, _Node
+from p2p.dht.libp2p_glue import libp2p_api
+from p2p.dht.provisions import Provisions
+from p2p.dht.records import HostedSlice, RecordError, RelayAddress, validate
 from p2p.identity import Identity
-from p2p.provisions import Provisions
-from p2p.records import HostedSlice, RecordError, RelayAddress, validate
 
 BASE_TIME = 1_900_000_000.0  # unix seconds at virtual time 0 (mid-epoch does not matter: epochs roll as in reality)
 KAD = "/ipfs/kad/1.0.0"

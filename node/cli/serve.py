@@ -25,7 +25,7 @@ from node.runtime import load_identity, parse_hostport, until_stopped, write_rea
 from node.status.coverage import Phase
 from node.status.server import NodeStatus, model_shape, url_of, watching
 from node.verdicts import default_wire
-from p2p.dht import check_bootstrap
+from p2p.dht.kademlia import check_bootstrap
 from p2p.identity import Identity
 
 log = structlog.get_logger("node.cli.serve")

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 from experts.errors import UsageError
 from node.status.coverage import Coverage, build_coverage
-from p2p.dht import LibP2PDiscovery
-from p2p.discovery import DiscoveryError
+from p2p.dht.discovery import DiscoveryError
+from p2p.dht.kademlia import LibP2PDiscovery
+from p2p.dht.records import HostRecord, ModelShape
 from p2p.identity import Identity
-from p2p.records import HostRecord, ModelShape
 
 
 def local_address_towards(host: str) -> str:

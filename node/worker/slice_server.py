@@ -23,9 +23,9 @@ import structlog
 
 from experts.gguf_model import GGUFModel
 from experts.parts import TOKENIZER_ITEM, TOKENIZER_PREFIX, Part, is_expert_tensor, parse_manifest
-from p2p import wire
 from p2p.identity import PeerId
 from p2p.ratelimit import TokenBucket
+from p2p.wire import messages as wire
 
 log = structlog.get_logger("node.worker.slice_server")
 MAX_PEERS = 4096  # per-peer buckets remembered (a flood of identities cannot grow them)

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import trio
 
-from p2p.dht import LibP2PDiscovery
+from p2p.dht.kademlia import LibP2PDiscovery
+from p2p.dht.records import HostedSlice, HostRecord, ModelShape, RelayAddress, issue, sign, value_key
 from p2p.identity import Identity, PeerId
-from p2p.records import HostedSlice, HostRecord, ModelShape, RelayAddress, issue, sign, value_key
 from tests.support import async_poll, run_bounded
 
 ROOT = Path(__file__).resolve().parents[2]

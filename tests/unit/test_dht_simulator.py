@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from node.bench.dhtsim import Options, run
-from p2p.dht import _Node
+from p2p.dht.kademlia import _Node
 
 
 def test_500_simulated_nodes_find_their_hosts_before_and_under_churn(monkeypatch):

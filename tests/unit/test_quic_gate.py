@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p.quic_gate import Admit, InitialGate
+from p2p.quic.gate import Admit, InitialGate
 
 CAP = 4
 

@@ -11,10 +11,10 @@ from typing import cast
 
 import pytest
 
-from p2p.budget import ServeBudget, ServeLimits
 from p2p.identity import Identity
-from p2p.quic_errors import ConnectionLost, ErrorCode, MessageTooLarge, RemoteError
-from p2p.quic_streams import (
+from p2p.quic.budget import ServeBudget, ServeLimits
+from p2p.quic.errors import ConnectionLost, ErrorCode, MessageTooLarge, RemoteError
+from p2p.quic.streams import (
     AbortStream,
     CallFailed,
     Event,

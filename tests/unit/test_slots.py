@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p.slots import Admission, OwnerQuota, ProviderSlots, address_group
+from p2p.dht.slots import Admission, OwnerQuota, ProviderSlots, address_group
 
 KEY = b"key"
 

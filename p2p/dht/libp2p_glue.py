@@ -19,9 +19,9 @@ from typing import Any
 import structlog
 import trio
 
+from p2p.dht.records import HostRecord, ModelShape, RecordError, expires_at_of, select_best, signer_of, validate
+from p2p.dht.slots import Admission, OwnerQuota, ProviderSlots, address_group
 from p2p.lograte_edge import ThrottledLog
-from p2p.records import HostRecord, ModelShape, RecordError, expires_at_of, select_best, signer_of, validate
-from p2p.slots import Admission, OwnerQuota, ProviderSlots, address_group
 
 log = structlog.get_logger("p2p.dht")
 # What any DHT peer can make a node refuse at will; used from the DHT's trio thread only (one ThrottledLog, one thread).

@@ -43,9 +43,8 @@ from typing import ClassVar, Self
 
 import structlog
 
-from p2p.frames import int_in, prefixed
 from p2p.identity import Identity, PeerId
-from p2p.natwire import (
+from p2p.nat.envelope import (
     NONCE_LEN,
     Address,
     FrameError,
@@ -58,9 +57,10 @@ from p2p.natwire import (
     encode_addrs,
     read_addrs,
 )
-from p2p.paths import Backoff, PathEvent, PathState, PathTable
+from p2p.nat.paths import Backoff, PathEvent, PathState, PathTable
+from p2p.nat.reachability import NatKind, Verdict
 from p2p.ratelimit import RateLimiter
-from p2p.reachability import NatKind, Verdict
+from p2p.wire.frames import int_in, prefixed
 
 MAGIC = b"\x0dHP"
 CONTEXT = b"moeswarm/holepunch/v1\n"

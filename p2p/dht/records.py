@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from experts.errors import RemoteProtocolError
-from p2p import frames
 from p2p.identity import Identity, IdentityError, PeerId
+from p2p.wire import frames
 
 NAMESPACE = "moeswarm"
 MAGIC = b"MSR3"  # v2: the kernel identity joined the record; v3: the flags byte (serves slices)

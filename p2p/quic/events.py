@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2p.identity import PeerId
-from p2p.quic_errors import Address
+from p2p.quic.errors import Address
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,14 @@ direct path dies.
 
 from __future__ import annotations
 
-from p2p.holepunch import HolePunch
-from p2p.holepunch_edge import PathManager
 from p2p.identity import Identity, PeerId
+from p2p.nat.holepunch import HolePunch
+from p2p.nat.holepunch_edge import PathManager
+from p2p.nat.reachability import NatKind, Reachability, ReachabilityConfig, Verdict
+from p2p.nat.reachability_edge import PeerList, ReachabilityService
+from p2p.nat.udp_edge import EndpointTap, RelayLink
 from p2p.pathkind import Path
-from p2p.quic import Endpoint
-from p2p.reachability import NatKind, Reachability, ReachabilityConfig, Verdict
-from p2p.reachability_edge import PeerList, ReachabilityService
-from p2p.udp_edge import EndpointTap, RelayLink
+from p2p.quic.endpoint import Endpoint
 
 
 def path_of(endpoint: Endpoint, peer: PeerId) -> Path:

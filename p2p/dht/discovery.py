@@ -21,9 +21,7 @@ from typing import Generic, Protocol, TypeVar
 import structlog
 
 from experts.errors import MoeSwarmError
-from p2p.identity import Identity, PeerId
-from p2p.lograte_edge import ThrottledLog
-from p2p.records import (
+from p2p.dht.records import (
     MAX_LIFETIME,
     HelperRecord,
     HostedSlice,
@@ -35,6 +33,8 @@ from p2p.records import (
     select_best,
     value_key,
 )
+from p2p.identity import Identity, PeerId
+from p2p.lograte_edge import ThrottledLog
 
 log = structlog.get_logger(__name__)
 peer_log = ThrottledLog(log)  # records anyone can sign and publish: a few lines per interval, then a count

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2p.identity import PeerId
-from p2p.quic_aioquic import AuthQuicConnection
-from p2p.quic_errors import Address, TransportError
-from p2p.quic_streams import RequestStreams
+from p2p.quic.adapter import AuthQuicConnection
+from p2p.quic.errors import Address, TransportError
+from p2p.quic.streams import RequestStreams
 
 
 @dataclass(eq=False)

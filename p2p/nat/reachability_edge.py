@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from p2p.identity import PeerId
-from p2p.natwire import Address
-from p2p.reachability import MAGIC, UNKNOWN, Reachability, Send, Verdict, choose_observers
-from p2p.udp_edge import EndpointTap
+from p2p.nat.envelope import Address
+from p2p.nat.reachability import MAGIC, UNKNOWN, Reachability, Send, Verdict, choose_observers
+from p2p.nat.udp_edge import EndpointTap
 
 log = structlog.get_logger("p2p.reachability")
 

@@ -23,9 +23,9 @@ from typing import Protocol
 import structlog
 
 from p2p.identity import PeerId
-from p2p.natwire import FRAME_MARK, Address
-from p2p.quic import Endpoint, is_ip
-from p2p.quic_events import Subscriber
+from p2p.nat.envelope import FRAME_MARK, Address
+from p2p.quic.endpoint import Endpoint, is_ip
+from p2p.quic.events import Subscriber
 
 __all__ = ["EndpointTap", "FrameHandler", "RelayLink", "RelayTap", "is_ip"]
 

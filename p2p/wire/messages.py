@@ -133,7 +133,7 @@ from typing import ClassVar, Self
 from experts.codecs import Codec  # one enum for the codecs and the wire's codec byte
 
 from .frames import Reader
-from .wire_fields import (
+from .fields import (
     MAX_MESSAGE,
     BadCodec,
     ErrorCode,

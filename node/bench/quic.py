@@ -28,8 +28,8 @@ from aioquic.quic import events
 from aioquic.quic.connection import stream_is_client_initiated
 
 from p2p.identity import Identity, PeerId
-from p2p.quic import Endpoint
-from p2p.quic_conn import Conn
+from p2p.quic.conn import Conn
+from p2p.quic.endpoint import Endpoint
 
 LOOPBACK = "127.0.0.1"
 _LENGTH = 4
@@ -117,7 +117,7 @@ async def measure(
 
 def _spawn_server(mode: str, datagram: int) -> tuple[subprocess.Popen[str], int, PeerId]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "p2p.bench_quic", "--serve", mode, "--datagrams", str(datagram)],
+        [sys.executable, "-m", "node.bench.quic", "--serve", mode, "--datagrams", str(datagram)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, Self
 
 from experts.errors import RemoteProtocolError
-from p2p import frames
 from p2p.identity import Identity, IdentityError, PeerId
+from p2p.wire import frames
 
 Address = tuple[str, int]
 

@@ -76,15 +76,15 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import QuicPacketType, encode_quic_retry, pull_quic_header
 from aioquic.quic.retry import QuicRetryTokenHandler
 
-from p2p.budget import ServeBudget, ServeLimits
 from p2p.identity import Identity, PeerId
 from p2p.ports import binding
-from p2p.quic_aioquic import AuthQuicConnection
-from p2p.quic_conn import Conn, retrieve, settle
-from p2p.quic_errors import Address, ConnectionLost, ErrorCode, MessageTooLarge, PeerAuthError, RemoteError, TransportError, TransportTimeout  # noqa: F401  re-exported: callers import errors from here
-from p2p.quic_events import EndpointEvent, PathClosed, PathOpened, Subscriber
-from p2p.quic_gate import MAX_HALF_OPEN, Admit, InitialGate
-from p2p.quic_streams import (
+from p2p.quic.adapter import AuthQuicConnection
+from p2p.quic.budget import ServeBudget, ServeLimits
+from p2p.quic.conn import Conn, retrieve, settle
+from p2p.quic.errors import Address, ConnectionLost, ErrorCode, MessageTooLarge, PeerAuthError, RemoteError, TransportError, TransportTimeout  # noqa: F401  re-exported: callers import errors from here
+from p2p.quic.events import EndpointEvent, PathClosed, PathOpened, Subscriber
+from p2p.quic.gate import MAX_HALF_OPEN, Admit, InitialGate
+from p2p.quic.streams import (
     AbortStream,
     CallFailed,
     Output,
@@ -97,7 +97,7 @@ from p2p.quic_streams import (
     StreamsEvicted,
     check_request_size,
 )
-from p2p.tls import PeerCertificateError, make_certificate, verify_certificate
+from p2p.quic.tls import PeerCertificateError, make_certificate, verify_certificate
 
 Handler = Callable[[PeerId, bytes], Awaitable[bytes]]
 DatagramFilter = Callable[[bytes, Address], bool]  # True: the datagram was consumed, QUIC never sees it

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from p2p.budget import Key, ServeBudget
 from p2p.identity import PeerId
-from p2p.quic_errors import ErrorCode, MessageTooLarge, RemoteError, TransportError
+from p2p.quic.budget import Key, ServeBudget
+from p2p.quic.errors import ErrorCode, MessageTooLarge, RemoteError, TransportError
 
 log = structlog.get_logger("p2p.quic")
 

@@ -61,12 +61,10 @@ import trio
 
 from experts.errors import UsageError
 from p2p.backoff import Backoff
-from p2p.dht_libp2p import libp2p_api
-from p2p.discovery import Announcer, DiscoveryError, Publication, live_hosts
-from p2p.identity import Identity, IdentityError, PeerId
-from p2p.ports import check_free
-from p2p.provisions import Provisions, View
-from p2p.records import (
+from p2p.dht.discovery import Announcer, DiscoveryError, Publication, live_hosts
+from p2p.dht.libp2p_glue import libp2p_api
+from p2p.dht.provisions import Provisions, View
+from p2p.dht.records import (
     MAX_CLOCK_SKEW,
     NAMESPACE,
     HelperRecord,
@@ -79,7 +77,9 @@ from p2p.records import (
     validate,
     value_key,
 )
-from p2p.trio_thread import TrioThread
+from p2p.dht.trio_thread import TrioThread
+from p2p.identity import Identity, IdentityError, PeerId
+from p2p.ports import check_free
 
 log = structlog.get_logger(__name__)
 

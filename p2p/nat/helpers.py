@@ -23,13 +23,13 @@ from typing import Protocol
 
 import structlog
 
+from p2p.dht.records import HelperRecord
 from p2p.identity import Identity, PeerId
-from p2p.nat import NatTraversal
-from p2p.natwire import Address
-from p2p.quic import Endpoint
-from p2p.reachability import ReachabilityConfig, Verdict
-from p2p.records import HelperRecord
-from p2p.udp_edge import is_ip
+from p2p.nat.envelope import Address
+from p2p.nat.reachability import ReachabilityConfig, Verdict
+from p2p.nat.traversal import NatTraversal
+from p2p.nat.udp_edge import is_ip
+from p2p.quic.endpoint import Endpoint
 
 log = structlog.get_logger("p2p.helpers")
 

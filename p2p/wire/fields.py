@@ -11,7 +11,7 @@ from enum import IntEnum
 from typing import ClassVar, TypeVar
 
 from experts.errors import RemoteProtocolError
-from p2p.frames import Reader, exact_bytes, int_in
+from p2p.wire.frames import Reader, exact_bytes, int_in
 
 MAX_MESSAGE = 64 * 1024 * 1024  # header included
 

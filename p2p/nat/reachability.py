@@ -36,7 +36,7 @@ import structlog
 
 from p2p.backoff import Backoff
 from p2p.identity import Identity, PeerId
-from p2p.natwire import (
+from p2p.nat.envelope import (
     HEADER,
     KEY_LEN,
     NONCE_LEN,
