@@ -10,9 +10,9 @@ import structlog
 from node.runtime import parse_hostport, until_stopped, write_ready
 from node.status.coverage import Phase
 from node.status.server import ModelShape, NodeStatus, serve_status
-from p2p.dht import BOOTSTRAP_WAIT, LibP2PDiscovery, check_bootstrap
-from p2p.helpers import serve_helper
+from p2p.dht.kademlia import BOOTSTRAP_WAIT, LibP2PDiscovery, check_bootstrap
 from p2p.identity import Identity
+from p2p.nat.helpers import serve_helper
 
 log = structlog.get_logger("node.backbone.session")
 

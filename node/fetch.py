@@ -26,14 +26,14 @@ from experts.parts import TOKENIZER_ITEM, Part
 from experts.slice_fetch import ExpertRows, FetchPlan, Holder, OutsideModel, SliceLayout, Staging
 from node.backbone.routing import Host
 from node.outbound import connector_on
-from p2p import wire
 from p2p.connector import Connector
-from p2p.dht import LibP2PDiscovery
+from p2p.dht.kademlia import LibP2PDiscovery
+from p2p.dht.records import HostRecord
 from p2p.identity import Identity
 from p2p.pathkind import Path as PathKind
-from p2p.quic import Endpoint
-from p2p.quic_errors import TransportError
-from p2p.records import HostRecord
+from p2p.quic.endpoint import Endpoint
+from p2p.quic.errors import TransportError
+from p2p.wire import messages as wire
 from relay.client import RelaySettings
 
 log = structlog.get_logger("node.fetch")

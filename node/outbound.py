@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from p2p.connector import Connector
-from p2p.helpers import HelperBoard, NodeReachability
 from p2p.identity import Identity
-from p2p.quic import Endpoint
+from p2p.nat.helpers import HelperBoard, NodeReachability
+from p2p.quic.endpoint import Endpoint
 from relay.client import RelaySettings, attach
 
 

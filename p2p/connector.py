@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from p2p.dht.records import RelayAddress
 from p2p.identity import PeerId
-from p2p.nat import NatTraversal, path_of
+from p2p.nat.traversal import NatTraversal, path_of
+from p2p.nat.udp_edge import RelayLink
 from p2p.pathkind import Path
-from p2p.quic import Endpoint
-from p2p.quic_errors import TransportError
-from p2p.records import RelayAddress
-from p2p.udp_edge import RelayLink
+from p2p.quic.endpoint import Endpoint
+from p2p.quic.errors import TransportError
 
 Address = tuple[str, int]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import structlog
 
 from p2p.identity import Identity, PeerId
-from p2p.quic import Endpoint
+from p2p.quic.endpoint import Endpoint
 
 from .client import RelayClient, attach
 
@@ -45,7 +45,7 @@ asyncio.run(main())
 _ECHO = """
 import asyncio, sys
 from p2p.identity import Identity
-from p2p.quic import Endpoint
+from p2p.quic.endpoint import Endpoint
 from relay.bench import quiet
 from relay.client import RelayClient, attach
 

@@ -55,7 +55,7 @@ from .session import (
     State,
 )
 
-Address = tuple[str, int]  # p2p.quic's address type
+Address = tuple[str, int]  # p2p.quic.endpoint's address type
 PacketHandler = Callable[[PeerId, bytes], None]
 
 log = structlog.get_logger("relay.client")
@@ -345,7 +345,7 @@ class RelayClient:
 
 
 class _Endpoint(Protocol):
-    """What ``RelayPath`` needs of ``p2p.quic.Endpoint`` (structural, so relay/ does not import aioquic)."""
+    """What ``RelayPath`` needs of ``p2p.quic.endpoint.Endpoint`` (structural, so relay/ does not import aioquic)."""
 
     def add_route(self, addr: Address, send: Callable[[bytes], None]) -> None: ...
 

@@ -20,7 +20,7 @@ relay's key (worker records carry it) signs for no other relay, so a machine in 
 relay's challenge on and log in as the client with the answer (without a pin or TLS, it can).
 
 Frame type numbers are never reused; an unknown number decodes to ``Unknown`` so that newer peers can add
-frames. Every decode error is a ``FrameError``; lengths are checked before anything is sliced or allocated (``p2p.frames.Reader``).
+frames. Every decode error is a ``FrameError``; lengths are checked before anything is sliced or allocated (``p2p.wire.frames.Reader``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import ClassVar, Self
 
 from experts import errors
 from experts.errors import MoeSwarmError
-from p2p.frames import Reader, exact_bytes, prefixed
 from p2p.identity import PeerId
+from p2p.wire.frames import Reader, exact_bytes, prefixed
 
 SUBPROTOCOL = "moeswarm-relay.v1"  # the WebSocket subprotocol (an HTTP token): versions the whole frame set
 AUTH_DOMAIN = b"moeswarm-relay.v1 client auth\x00"  # domain separation: this signature means nothing elsewhere
@@ -41,7 +41,7 @@ KEY_SIZE = 32  # Ed25519 public key: how a peer is named on the wire
 SIGNATURE_SIZE = 64
 NONCE_SIZE = 32
 PING_SIZE = 8
-MAX_PACKET = 16384  # p2p.quic's largest datagram (MAX_DATAGRAM); the relay carries nothing bigger
+MAX_PACKET = 16384  # p2p.quic.endpoint's largest datagram (MAX_DATAGRAM); the relay carries nothing bigger
 MAX_TEXT = 256  # bytes of UTF-8 in Refused / Health / Error
 MAX_FRAME = 1 + KEY_SIZE + MAX_PACKET  # the largest frame of any type, checked before decoding
 

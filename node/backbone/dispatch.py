@@ -46,12 +46,12 @@ from node.backbone.spotcheck import DEFAULT_SPOT_CHECK, Answer, CheckResult, Spo
 from node.ledger.deferred import DELAY_S, Pending
 from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, build_receipt, decode_issued
 from node.ledger.sink import LedgerSink
-from p2p import wire
 from p2p.connector import Connector
-from p2p.discovery import Discovery, DiscoveryError
+from p2p.dht.discovery import Discovery, DiscoveryError
 from p2p.identity import PeerId
 from p2p.pathkind import Path
-from p2p.quic import TransportError, TransportTimeout
+from p2p.quic.endpoint import TransportError, TransportTimeout
+from p2p.wire import messages as wire
 
 log = structlog.get_logger("node.backbone.dispatch")
 KEEP_RECENT = 100_000

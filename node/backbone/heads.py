@@ -19,10 +19,10 @@ from node.backbone.routing import Host
 from node.ledger.entries import Role
 from node.ledger.sink import LedgerSink
 from node.ledger.witness import UNKNOWN, SignedHead
-from p2p import wire
 from p2p.connector import Connector
 from p2p.identity import PeerId
-from p2p.quic import TransportError
+from p2p.quic.endpoint import TransportError
+from p2p.wire import messages as wire
 
 log = structlog.get_logger("node.backbone.heads")
 INTERVAL_S = 60.0

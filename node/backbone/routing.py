@@ -34,7 +34,7 @@ compute that answers it: a host cannot tell a probe from work, and its answer
 most :meth:`Router.deadline`: a multiple of what the host's measured round trips
 predict, never longer than the configured timeout.
 
-A host never dispatched to is not waited on blind: the vetting ping (:mod:`p2p.vetting`) that let it into the routes
+A host never dispatched to is not waited on blind: the vetting ping (:mod:`p2p.dht.vetting`) that let it into the routes
 measured its network round trip (:meth:`Router.pinged`), and a backbone that holds the experts itself assumes
 ``UNMEASURED_COMPUTE_MS`` per token for it (``Router.unmeasured_compute_ms``), so the first dispatch to a silent or
 slow sole host waits about the probe's second (``DEADLINE_FLOOR_S``), not the full timeout, and the group is
@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 
 from experts.moe import Partition
 from p2p.backoff import Backoff
+from p2p.dht.records import HostRecord, RelayAddress
 from p2p.identity import PeerId
 from p2p.pathkind import Path
-from p2p.records import HostRecord, RelayAddress
 
 BUSY_S = 0.2  # a host that answered OVERLOADED is asked after its replicas for this long (it is full, not failing)
 LEAVING_S = 60.0  # longer than a drain (withdraw, then finish within its deadline); a worker restarted under the same key is used again after it

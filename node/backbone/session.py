@@ -22,11 +22,11 @@ from node.ledger.sink import LedgerSink
 from node.outbound import connector_on
 from node.status.server import model_shape
 from node.verdicts import require_verified
-from p2p.dht import LibP2PDiscovery
-from p2p.discovery import CachedDiscovery
+from p2p.dht.discovery import CachedDiscovery
+from p2p.dht.kademlia import LibP2PDiscovery
+from p2p.dht.vetting import VettedDiscovery, ping_probe
 from p2p.identity import Identity
-from p2p.quic import Endpoint
-from p2p.vetting import VettedDiscovery, ping_probe
+from p2p.quic.endpoint import Endpoint
 
 log = structlog.get_logger("node.backbone.session")
 
@@ -58,7 +58,7 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         await dht.start()
         connector = await stack.enter_async_context(connector_on(identity, endpoint, dht, o.relay))
         cfg = model.cfg
-        # Only hosts that answered a ping or served us (p2p.vetting): a DHT answer may be full of sybils' records.
+        # Only hosts that answered a ping or served us (p2p.dht.vetting): a DHT answer may be full of sybils' records.
         discovery = VettedDiscovery(CachedDiscovery(dht, ttl=30.0), ping_probe(connector))
         moe = RemoteMoE(connector, discovery, model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0] if o.hold_experts else None, loop=asyncio.get_running_loop(), codec=o.codec, timeout=o.timeout, spot_check=o.spot_check, spot_seed=o.spot_seed, ledger=ledger, hot=_hot_experts(model, o.local_experts, o.local_memory), max_price=o.max_price, hedge=o.hedge)
         discovery.served = lambda peer: health.dispatches if (health := moe.router.health.get(peer)) else 0

@@ -22,10 +22,10 @@ import structlog
 from node.backbone.routing import Host
 from node.ledger.deferred import BATCH, DELAY_S, Batch, Pending, PendingReceipts, judge
 from node.ledger.receipts import Receipt, ReceiptStamp
-from p2p import wire
 from p2p.connector import Connector
 from p2p.pathkind import Path
-from p2p.quic import TransportError
+from p2p.quic.endpoint import TransportError
+from p2p.wire import messages as wire
 
 log = structlog.get_logger("node.backbone.signatures")
 RETRY_S = 0.2  # pause between attempts after a transport error, within the batch's deadline

@@ -42,7 +42,7 @@ def message_bytes(d: int, k: int, n_tokens: int = 1) -> dict:
     ``partial_*``: what the protocol sends (one weighted sum per token back). ``raw_*``: the
     baseline of returning every expert's output (k vectors per token), sized with the same framing.
     """
-    from p2p import wire
+    from p2p.wire import messages as wire
 
     out = {}
     ids = tuple(range(k)) * n_tokens

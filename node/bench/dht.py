@@ -48,9 +48,9 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 async def _child(n_nodes: int, layers: int, bootstrap: list[str], seed: int, ttl: float, lookup_timeout: float) -> None:
-    from p2p.dht import BootstrapUnreachable, LibP2PDiscovery
+    from p2p.dht.kademlia import BootstrapUnreachable, LibP2PDiscovery
+    from p2p.dht.records import HostedSlice
     from p2p.identity import Identity
-    from p2p.records import HostedSlice
 
     rng = random.Random(seed)
     nodes: list[LibP2PDiscovery] = []

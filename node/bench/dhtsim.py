@@ -1,8 +1,8 @@
 """`moeswarm bench dht --simulate`: the DHT code real nodes run, at thousands of nodes, on a virtual clock.
 
-Not a second implementation: every simulated node is a `p2p.dht._Node`. Its announcer and publication rounds, its
-provide pacer and re-provide policy (`p2p.provisions`), its maintenance loop, the provider and record walks of a
-lookup (`_walk`, `_find_providers`, `_fetch_record`) and record validation (`p2p.records.validate`) run as they do in
+Not a second implementation: every simulated node is a `p2p.dht.kademlia._Node`. Its announcer and publication rounds, its
+provide pacer and re-provide policy (`p2p.dht.provisions`), its maintenance loop, the provider and record walks of a
+lookup (`_walk`, `_find_providers`, `_fetch_record`) and record validation (`p2p.dht.records.validate`) run as they do in
 a node on the Internet. What is simulated is what sits under them, libp2p's part and the network's:
 
 - the routing table (k-buckets of 20 by shared prefix with our own key, keyed like libp2p's: sha256 of the peer id;
@@ -38,11 +38,11 @@ from typing import Any
 import trio
 import trio.testing
 
-from p2p.dht import QUERY_TIMEOUT, WALK_WIDTH, _Node
-from p2p.dht_libp2p import libp2p_api
+from p2p.dht.kademlia import QUERY_TIMEOUT, WALK_WIDTH, _Node
+from p2p.dht.libp2p_glue import libp2p_api
+from p2p.dht.provisions import Provisions
+from p2p.dht.records import HostedSlice, RecordError, RelayAddress, validate
 from p2p.identity import Identity
-from p2p.provisions import Provisions
-from p2p.records import HostedSlice, RecordError, RelayAddress, validate
 
 BASE_TIME = 1_900_000_000.0  # unix seconds at virtual time 0 (mid-epoch does not matter: epochs roll as in reality)
 KAD = "/ipfs/kad/1.0.0"
@@ -68,7 +68,7 @@ class Options:
     lookups: int = 200  # per phase
     ttl: float = 600.0  # record TTL (re-put after half)
     seed: int = 0
-    reprovide_on_change: bool = True  # False: provider entries re-sent by age only (the policy before p2p.provisions)
+    reprovide_on_change: bool = True  # False: provider entries re-sent by age only (the policy before p2p.dht.provisions)
 
 
 def _libp2p_id(raw: bytes) -> Any:

@@ -24,8 +24,8 @@ from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.backbone.spotcheck import DEFAULT_SPOT_CHECK
 from node.bench.common import REFERENCE, message_bytes, overhead_ms_p50, udp_round_trip_floor
+from node.bench.quic import process_cpu
 from node.launcher import Cluster
-from p2p.bench_quic import process_cpu
 from p2p.identity import Identity
 
 

@@ -26,9 +26,9 @@ from node.bench.wan import WORKERS
 from node.fetch import FetchOptions, fetch_slice
 from node.launcher import Cluster
 from node.testbed.netns import require_root
-from p2p import wire
 from p2p.identity import Identity, PeerId
-from p2p.quic import Endpoint
+from p2p.quic.endpoint import Endpoint
+from p2p.wire import messages as wire
 
 
 async def _dispatch_latencies(target: dict, model: GGUFModel, until: asyncio.Event | None, count: int) -> list[float]:

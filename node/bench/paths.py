@@ -13,7 +13,7 @@ from node.testbed.netns import require_root
 
 def punch_stats(rtt_ms: float, attempts: int) -> dict:
     from node.testbed.punchlab import attempt, punch_lab
-    from p2p.paths import PathState
+    from p2p.nat.paths import PathState
 
     out, upgrades = {}, []
     pairs = {"cone_public": ("worker-a", "pub-worker"), "cone_cone": ("worker-a", "worker-c"), "symmetric_any": ("worker-b", "pub-worker")}

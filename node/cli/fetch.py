@@ -15,7 +15,7 @@ from node.cli import progress
 from node.cli.options import bootstrap_opt, dht_listen_opt, listen_opt, model_digest_value, relay_opts, relay_settings
 from node.cli.root import emit_json
 from node.runtime import parse_hostport
-from p2p.dht import check_bootstrap
+from p2p.dht.kademlia import check_bootstrap
 
 MAX_INDEX = 0xFFFF  # the manifest gives the real bounds; the ranges are checked against it once it is fetched
 

@@ -33,9 +33,9 @@ from node.runtime import parse_hostport
 from node.status.server import model_shape
 from node.worker.node import WorkerNode
 from node.worker.placement import Part, check_advertise, choose_part, default_budget, host_counts
-from p2p.dht import bootstrap_target, check_bootstrap
+from p2p.dht.kademlia import bootstrap_target, check_bootstrap
+from p2p.dht.records import check_quic_addr
 from p2p.identity import Identity
-from p2p.records import check_quic_addr
 
 
 @click.command("join")

@@ -93,8 +93,8 @@ async def _relay(
 
 def _helper(ident: Identity, bootstrap: tuple[str, ...], quic: tuple[str, int], dht_listen: str):
     """The relay as a reachability helper: a DHT client announcing the UDP socket that answers probes."""
-    from p2p.dht import LibP2PDiscovery  # libp2p is heavy: imported only for a relay that helps
-    from p2p.helpers import serve_helper
+    from p2p.dht.kademlia import LibP2PDiscovery  # libp2p is heavy: imported only for a relay that helps
+    from p2p.nat.helpers import serve_helper
 
     @asynccontextmanager
     async def run():

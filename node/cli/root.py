@@ -30,7 +30,7 @@ class LazyGroup(click.Group):
     A user-fixable error (:class:`experts.errors.UsageError`, also inside an exception group made of
     nothing else) becomes one ``error:`` line on stderr and exit code 2; anything else is a bug and keeps its
     traceback (exit 1). Library code raises UsageErrors whose message names the problem and what to do (a
-    taken port: :mod:`p2p.ports`; a bootstrap that is down or has another key: :func:`p2p.dht.probe_bootstrap`).
+    taken port: :mod:`p2p.ports`; a bootstrap that is down or has another key: :func:`p2p.dht.kademlia.probe_bootstrap`).
     """
 
     def __init__(self, *args, lazy_subcommands: dict[str, str] | None = None, **kwargs) -> None:

@@ -26,7 +26,7 @@ from node.runtime import data_dir as node_dir
 from node.runtime import load_identity, parse_hostport, until_stopped, write_ready
 from node.status.coverage import Phase
 from node.status.server import NodeStatus, model_shape, url_of, watching
-from p2p.dht import check_bootstrap
+from p2p.dht.kademlia import check_bootstrap
 from p2p.identity import Identity
 
 log = structlog.get_logger("node.cli.serve")

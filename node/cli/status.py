@@ -16,7 +16,7 @@ from node.cli.root import emit_json
 from node.cli.survey import local_address_towards, survey
 from node.status.coverage import Coverage, HostSummary, host_summaries
 from node.status.server import model_shape
-from p2p.dht import bootstrap_target, check_bootstrap
+from p2p.dht.kademlia import bootstrap_target, check_bootstrap
 
 
 @click.command("status")

@@ -1,4 +1,4 @@
-"""Looking a swarm up from the command line: read its coverage map from the DHT (the bootstrap is checked first, by `p2p.dht.check_bootstrap`).
+"""Looking a swarm up from the command line: read its coverage map from the DHT (the bootstrap is checked first, by `p2p.dht.kademlia.check_bootstrap`).
 
 Shared by `moeswarm join` (what to host) and `moeswarm status` (what is hosted). The lookups go through a
 short-lived DHT client with a throwaway identity: it serves nobody and leaves no record.
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 from experts.errors import UsageError
 from node.status.coverage import Coverage, build_coverage
-from p2p.dht import LibP2PDiscovery
-from p2p.discovery import DiscoveryError
+from p2p.dht.discovery import DiscoveryError
+from p2p.dht.kademlia import LibP2PDiscovery
+from p2p.dht.records import HostRecord, ModelShape
 from p2p.identity import Identity
-from p2p.records import HostRecord, ModelShape
 
 
 def local_address_towards(host: str) -> str:

@@ -45,9 +45,9 @@ from node.runtime import load_identity, parse_hostport
 from node.status.server import model_shape
 from node.worker.node import WorkerNode, WorkerOptions, run_worker
 from node.worker.slice_server import SliceLimits
-from p2p.budget import ServeLimits
-from p2p.dht import BOOTSTRAP_WAIT, check_bootstrap
-from p2p.records import MalformedRecord, check_quic_addr, check_relay_url
+from p2p.dht.kademlia import BOOTSTRAP_WAIT, check_bootstrap
+from p2p.dht.records import MalformedRecord, check_quic_addr, check_relay_url
+from p2p.quic.budget import ServeLimits
 
 
 def record_field(check):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, batch_stamp, leaf_hash, verify_batch
-from p2p.wire import MAX_RECEIPT_BATCH
+from p2p.wire.messages import MAX_RECEIPT_BATCH
 
 DELAY_S = 0.05  # the longest a backbone's receipt waits before its batch is asked for
 BATCH = 64  # receipts of one worker that make a batch due at once

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from experts.errors import RemoteProtocolError
 from p2p.identity import Identity, IdentityError, PeerId
 from p2p.pathkind import Path
-from p2p.wire import MAX_RECEIPT_BATCH, DispatchReply, DispatchRequest
+from p2p.wire.messages import MAX_RECEIPT_BATCH, DispatchReply, DispatchRequest
 
 SIGNING_CONTEXT = b"moeswarm/receipt/v1\0"
 BATCH_CONTEXT = b"moeswarm/receipt-batch/v1\0"

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
-from p2p.records import HostRecord
+from p2p.dht.records import HostRecord
 
 
 class Phase(StrEnum):

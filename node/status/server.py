@@ -31,8 +31,8 @@ from node.status import errors
 from node.status.coverage import Coverage, Phase, Seen, build_coverage, readiness
 from node.status.metrics import LedgerTotals, NodeCollector, exposition, registry_for
 from node.status.page import render
+from p2p.dht.records import ModelShape
 from p2p.ports import binding
-from p2p.records import ModelShape
 
 log = structlog.get_logger("node.status")
 REFRESH_S = 5.0

@@ -15,13 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from p2p.holepunch_edge import PathManager
 from p2p.identity import Identity, PeerId
-from p2p.nat import NatTraversal
-from p2p.paths import PathState
-from p2p.quic import Endpoint
-from p2p.reachability import NatKind, ReachabilityConfig
-from p2p.reachability_edge import ReachabilityService
+from p2p.nat.holepunch_edge import PathManager
+from p2p.nat.paths import PathState
+from p2p.nat.reachability import NatKind, ReachabilityConfig
+from p2p.nat.reachability_edge import ReachabilityService
+from p2p.nat.traversal import NatTraversal
+from p2p.quic.endpoint import Endpoint
 from relay.client import Backoff, RelayClient, attach
 from relay.server import RelayServer
 

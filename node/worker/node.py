@@ -33,16 +33,16 @@ from node.status.server import NodeStatus, model_shape, serve_status
 from node.worker.lifecycle import Lifecycle, State
 from node.worker.service import MAX_IN_FLIGHT, MAX_IN_FLIGHT_PER_PEER, Worker
 from node.worker.slice_server import SliceLimits, SliceServer
-from p2p import wire
-from p2p.budget import ServeLimits
-from p2p.dht import BOOTSTRAP_WAIT, LibP2PDiscovery, check_bootstrap, parse_listen
-from p2p.helpers import NodeReachability, helper_address
+from p2p.dht.kademlia import BOOTSTRAP_WAIT, LibP2PDiscovery, check_bootstrap, parse_listen
+from p2p.dht.records import HostedSlice, RelayAddress
 from p2p.identity import Identity
-from p2p.nat import announced_address
+from p2p.nat.helpers import NodeReachability, helper_address
+from p2p.nat.reachability import Verdict
+from p2p.nat.traversal import announced_address
 from p2p.ports import check_free
-from p2p.quic import Endpoint
-from p2p.reachability import Verdict
-from p2p.records import HostedSlice, RelayAddress
+from p2p.quic.budget import ServeLimits
+from p2p.quic.endpoint import Endpoint
+from p2p.wire import messages as wire
 from relay.client import RelaySettings, attach
 
 log = structlog.get_logger("node.worker.node")
@@ -72,7 +72,7 @@ class WorkerOptions:
     recheck_s: float = 300.0  # with a relay: seconds between reachability re-checks (a change is re-announced)
     drain_timeout: float = 10.0  # on SIGTERM: seconds to finish the dispatches in flight before closing
     dispatch_delay: float = 0.0  # test only: seconds every dispatch waits before computing (holds it in flight)
-    serve_limits: ServeLimits = ServeLimits()  # what peers may make the QUIC endpoint hold (p2p.budget)
+    serve_limits: ServeLimits = ServeLimits()  # what peers may make the QUIC endpoint hold (p2p.quic.budget)
     max_in_flight: int = MAX_IN_FLIGHT  # dispatches accepted and not yet answered, all peers; then OVERLOADED
     max_in_flight_per_peer: int = MAX_IN_FLIGHT_PER_PEER
     summary_s: float = 60.0  # seconds between "worker.summary" lines (none for a quiet interval)

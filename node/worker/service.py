@@ -34,10 +34,10 @@ from node.ledger.receipts import Receipt, ReceiptStamp, build_receipt, encode_is
 from node.ledger.sink import LedgerSink
 from node.ledger.witness import UNKNOWN, SignedHead
 from node.worker.slice_server import SliceServer
-from p2p import wire
 from p2p.identity import Identity, PeerId
 from p2p.lograte_edge import ThrottledLog
 from p2p.pathkind import Path
+from p2p.wire import messages as wire
 
 log = structlog.get_logger("node.worker.service")
 # Batches up to this much work (expert-token FLOPs, see receipts.work_units) are computed on the event loop: a

@@ -1,6 +1,6 @@
 """A worker's slice serving: the original quantized bytes of the experts it hosts, to peers fetching a slice.
 
-A fetcher asks once for :class:`p2p.wire.SliceInfo` (the model's manifest and the hosted tensors' per-expert leaves)
+A fetcher asks once for :class:`p2p.wire.messages.SliceInfo` (the model's manifest and the hosted tensors' per-expert leaves)
 and then for byte ranges of single experts (``PieceRequest``, at most ``wire.MAX_PIECE`` each). A file that holds
 whole tensors (the full model, or a dense or head slice) serves them too, as "expert 0" of their name, and the
 tokenizer keys as the blob ``@tokenizer``: its SliceInfo lists each with one leaf, the manifest's hash, which is how
@@ -23,9 +23,9 @@ import structlog
 
 from experts.gguf_model import GGUFModel
 from experts.parts import TOKENIZER_ITEM, TOKENIZER_PREFIX, Part, is_expert_tensor, parse_manifest
-from p2p import wire
 from p2p.identity import PeerId
 from p2p.ratelimit import TokenBucket
+from p2p.wire import messages as wire
 
 log = structlog.get_logger("node.worker.slice_server")
 MAX_PEERS = 4096  # per-peer buckets remembered (a flood of identities cannot grow them)

@@ -17,9 +17,9 @@ import json
 import signal
 from pathlib import Path
 
-from p2p.dht import PROVIDER_SHARDS, LibP2PDiscovery, provider_shard
+from p2p.dht.kademlia import PROVIDER_SHARDS, LibP2PDiscovery, provider_shard
+from p2p.dht.records import HostedSlice
 from p2p.identity import Identity
-from p2p.records import HostedSlice
 
 PARALLEL = 8  # identities starting and announcing at once (each a libp2p host and a DHT walk)
 

@@ -14,8 +14,8 @@ import sys
 from node.cli.root import main
 from node.ledger.receipts import batch_message, merkle_root
 from node.worker import service as worker
-from p2p import wire
 from p2p.identity import Identity
+from p2p.wire import messages as wire
 
 MODE = sys.argv.pop(1)
 _honest_sign, _honest_handle = worker.Worker._sign, worker.Worker.handle

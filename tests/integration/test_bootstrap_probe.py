@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from p2p.dht import BootstrapUnreachable, _caused_by, probe_bootstrap
+from p2p.dht.kademlia import BootstrapUnreachable, _caused_by, probe_bootstrap
 from p2p.identity import Identity
 
 

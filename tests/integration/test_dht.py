@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import trio
 
-from p2p.dht import LibP2PDiscovery
+from p2p.dht.kademlia import LibP2PDiscovery
+from p2p.dht.records import HostedSlice, HostRecord, ModelShape, RelayAddress, issue, sign, value_key
 from p2p.identity import Identity, PeerId
-from p2p.records import HostedSlice, HostRecord, ModelShape, RelayAddress, issue, sign, value_key
 from tests.support import async_poll, run_bounded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -305,11 +305,11 @@ def test_records_are_refreshed_before_they_expire(swarm: Swarm):
 
 
 def test_libp2p_is_loaded_only_by_a_running_node_and_leaves_aioquic_alone(swarm: Swarm):
-    """Importing p2p.dht loads no libp2p; once nodes run, aioquic's get_frame is still aioquic's own."""
+    """Importing p2p.dht.kademlia loads no libp2p; once nodes run, aioquic's get_frame is still aioquic's own."""
     from aioquic.quic.stream import QuicStreamSender
 
     assert QuicStreamSender.get_frame.__module__ == "aioquic.quic.stream"
-    probe = "import sys, p2p.dht; assert 'libp2p' not in sys.modules, 'libp2p imported'; print('ok')"
+    probe = "import sys, p2p.dht.kademlia; assert 'libp2p' not in sys.modules, 'libp2p imported'; print('ok')"
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "ok", done.stderr
 

@@ -22,12 +22,12 @@ from node.backbone.dispatch import RemoteMoE
 from node.cli.streaming import serial
 from node.verdicts import record_verdict
 from node.worker.service import Worker
-from p2p import wire
 from p2p.connector import Connector
-from p2p.discovery import InMemoryBoard, InMemoryDiscovery
+from p2p.dht.discovery import InMemoryBoard, InMemoryDiscovery
+from p2p.dht.records import HostedSlice
 from p2p.identity import Identity
-from p2p.quic import Endpoint
-from p2p.records import HostedSlice
+from p2p.quic.endpoint import Endpoint
+from p2p.wire import messages as wire
 from tests.support import async_until
 
 from ..conftest import make_model

@@ -21,9 +21,9 @@ from node.backbone.dispatch import RemoteMoE
 from node.backbone.options import BackboneOptions
 from node.backbone.session import backbone_session, wait_for_hosts
 from node.launcher import Cluster, NodeProcess
-from p2p import wire
 from p2p.connector import Connector
 from p2p.identity import Identity, PeerId
+from p2p.wire import messages as wire
 from tests.support.engine import kernel
 from tests.support.polling import async_until
 

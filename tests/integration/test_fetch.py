@@ -18,7 +18,7 @@ from experts.embedded import EMBEDDED_MODEL
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.slices import write_slice
 from node.launcher import Cluster
-from p2p import wire
+from p2p.wire import messages as wire
 from tests.support import moeswarm, until
 from tests.support.dispatch import partial_sums
 from tests.support.processes import MOESWARM

@@ -26,10 +26,10 @@ from experts.embedded import EMBEDDED_MODEL
 from experts.gguf_model import GGUFModel
 from experts.hosting import open_experts
 from node.launcher import Cluster, NodeProcess
-from p2p import wire
 from p2p.identity import Identity, PeerId
-from p2p.quic import ALPN, Endpoint, RemoteError, TransportError
-from p2p.quic_errors import ErrorCode
+from p2p.quic.endpoint import ALPN, Endpoint, RemoteError, TransportError
+from p2p.quic.errors import ErrorCode
+from p2p.wire import messages as wire
 from relay.client import RelayClient
 from relay.protocol import SUBPROTOCOL
 from tests.support.engine import kernel

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from p2p.dht import LibP2PDiscovery
-from p2p.helpers import NodeReachability, serve_helper
+from p2p.dht.kademlia import LibP2PDiscovery
 from p2p.identity import Identity
-from p2p.quic import Endpoint
+from p2p.nat.helpers import NodeReachability, serve_helper
+from p2p.quic.endpoint import Endpoint
 from tests.support import async_poll
 
 pytestmark = pytest.mark.timeout(90)

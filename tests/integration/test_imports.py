@@ -146,7 +146,7 @@ def test_experts_modules_load_no_networking(alone):
     """No module of experts/ loads aiohttp, aioquic or libp2p (docs/architecture.md: experts/ imports nothing from
     networking); modules that do load it exist, so the report is not vacuous."""
     assert {n: r["networking"] for n, r in alone.items() if n.split(".")[0] == "experts" and r["networking"]} == {}
-    assert alone["p2p.quic"]["networking"] == ["aioquic"] and "aiohttp" in alone["node.gateway.server"]["networking"]
+    assert alone["p2p.quic.endpoint"]["networking"] == ["aioquic"] and "aiohttp" in alone["node.gateway.server"]["networking"]
 
 
 def test_ledger_show_help_imports_no_networking():

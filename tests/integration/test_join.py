@@ -12,9 +12,9 @@ import pytest
 from experts.codecs import Codec
 from experts.gguf_model import ExpertRange, GGUFModel
 from node.launcher import Cluster
-from p2p import wire
-from p2p.dht import LibP2PDiscovery
+from p2p.dht.kademlia import LibP2PDiscovery
 from p2p.identity import Identity
+from p2p.wire import messages as wire
 from tests.support import moeswarm, until, wait_for_log
 from tests.support.dispatch import partial_sums
 from tests.support.tlsproxy import free_port

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import structlog
 
-from p2p.holepunch import HolePunch, PunchConfig
-from p2p.holepunch_edge import PathManager
 from p2p.identity import Identity, PeerId
-from p2p.paths import Backoff, PathState
-from p2p.quic import Endpoint
-from p2p.reachability import NatKind, Outcome, Reachability, Verdict
-from p2p.reachability_edge import ReachabilityService
-from p2p.udp_edge import EndpointTap
+from p2p.nat.holepunch import HolePunch, PunchConfig
+from p2p.nat.holepunch_edge import PathManager
+from p2p.nat.paths import Backoff, PathState
+from p2p.nat.reachability import NatKind, Outcome, Reachability, Verdict
+from p2p.nat.reachability_edge import ReachabilityService
+from p2p.nat.udp_edge import EndpointTap
+from p2p.quic.endpoint import Endpoint
 from relay.client import Backoff as RelayBackoff
 from relay.client import RelayClient, attach
 from relay.server import RelayServer

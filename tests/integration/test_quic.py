@@ -19,11 +19,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from p2p import quic, tls
 from p2p.identity import Identity, PeerId
-from p2p.quic import Endpoint, ErrorCode
-from p2p.quic_aioquic import AuthQuicConnection
-from p2p.quic_events import EndpointEvent, PathClosed, PathOpened
+from p2p.quic import endpoint as quic
+from p2p.quic import tls
+from p2p.quic.adapter import AuthQuicConnection
+from p2p.quic.endpoint import Endpoint, ErrorCode
+from p2p.quic.events import EndpointEvent, PathClosed, PathOpened
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
@@ -70,7 +71,7 @@ def spawn_server(mode: str) -> Iterator[tuple[tuple[str, int], PeerId, subproces
         """
         import asyncio, os, sys
         from p2p.identity import Identity
-        from p2p.quic import Endpoint
+        from p2p.quic.endpoint import Endpoint
 
         async def handler(peer, data):
             if data == b"die":
@@ -504,7 +505,7 @@ def test_immune_to_libp2p_patching_aioquic() -> None:
         QuicStreamSender.get_frame = counting
 
         from p2p.identity import Identity
-        from p2p.quic import Endpoint
+        from p2p.quic.endpoint import Endpoint
 
         async def main():
             async def echo(peer, data):

@@ -35,7 +35,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from experts.embedded import EMBEDDED_MODEL
 from experts.errors import TrustError
 from p2p.identity import Identity, PeerId
-from p2p.quic import Endpoint
+from p2p.quic.endpoint import Endpoint
 from relay.client import Backoff, RelayClient, RelaySettings, attach
 from relay.protocol import (
     SUBPROTOCOL,

@@ -14,7 +14,7 @@ from experts.moe import Partition
 from experts.tokenizer import Tokenizer
 from node.backbone.routing import DEADLINE_K, DEADLINE_MARGIN_S, UNMEASURED_COMPUTE_MS
 from node.launcher import Cluster
-from p2p.vetting import PROBE_TIMEOUT
+from p2p.dht.vetting import PROBE_TIMEOUT
 from tests.support.engine import local_completion, local_engine
 from tests.support.processes import moeswarm
 

@@ -23,7 +23,7 @@ def test_interoperates_with_py_libp2p() -> None:
         from libp2p.crypto.ed25519 import Ed25519PrivateKey
         from libp2p.peer.id import ID
         from libp2p.security.tls import certificate as theirs
-        from p2p import tls
+        from p2p.quic import tls
         from p2p.identity import Identity
 
         ident = Identity.generate()

@@ -9,8 +9,8 @@ from experts.embedded import EMBEDDED_MODEL
 from experts.gguf_model import GGUFModel
 from experts.hosting import open_experts
 from node.worker.service import Worker
-from p2p import wire
 from p2p.identity import Identity
+from p2p.wire import messages as wire
 from tests.support.engine import kernel
 from tests.support.polling import run_bounded
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from p2p import wire
 from p2p.identity import Identity, PeerId
-from p2p.quic import Endpoint
+from p2p.quic.endpoint import Endpoint
+from p2p.wire import messages as wire
 
 
 async def partial_sums(ready: dict, request: wire.DispatchRequest) -> bytes:

@@ -15,8 +15,8 @@ import os
 import pytest
 
 from node.testbed.punchlab import attempt, make_node, punch_lab
-from p2p.paths import PathState
-from p2p.reachability import NatKind
+from p2p.nat.paths import PathState
+from p2p.nat.reachability import NatKind
 
 from .conftest import why_no_testbed
 

@@ -9,8 +9,8 @@ import pytest
 
 from experts.errors import LocalProtocolError
 from node.backbone import routing, spotcheck
-from p2p import paths
 from p2p.backoff import Backoff
+from p2p.nat import paths
 from relay import client
 
 

@@ -22,8 +22,8 @@ from node.backbone.prefix_cache import PrefixCache
 from node.backbone.routing import Router
 from node.gateway.engine import HeldText
 from node.gateway.openai import CHAT_STOP, ApiError, Finished, Reply, StopMatcher, parse_job, parse_request, render_chat, sse
+from p2p.dht.records import HostedSlice, HostRecord
 from p2p.identity import Identity
-from p2p.records import HostedSlice, HostRecord
 
 W = 0.002  # batching window in the LayerBatcher tests
 

@@ -1,14 +1,14 @@
-"""The serve budget (p2p.budget) alone and under RequestStreams: per-connection refusals, global eviction of the
+"""The serve budget (p2p.quic.budget) alone and under RequestStreams: per-connection refusals, global eviction of the
 stalest incomplete streams, never of complete ones, and the request deadline; a hand-moved clock, no sockets."""
 
 from __future__ import annotations
 
 import pytest
 
-from p2p.budget import ServeBudget, ServeLimits
 from p2p.identity import Identity
-from p2p.quic_errors import ErrorCode
-from p2p.quic_streams import AbortStream, RequestReceived, RequestStreams, StreamsEvicted
+from p2p.quic.budget import ServeBudget, ServeLimits
+from p2p.quic.errors import ErrorCode
+from p2p.quic.streams import AbortStream, RequestReceived, RequestStreams, StreamsEvicted
 
 PEER_A, PEER_B = Identity.generate().peer_id, Identity.generate().peer_id
 LIMITS = ServeLimits(max_bytes=1000, max_bytes_per_conn=600, max_streams=4, max_streams_per_conn=3, request_deadline=30.0)

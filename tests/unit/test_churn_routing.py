@@ -14,9 +14,9 @@ from node.backbone import routing
 from node.backbone.dispatch import RemoteMoE
 from node.backbone.routing import DEADLINE_FLOOR_S, DEADLINE_K, DEADLINE_MARGIN_S, DEMOTE_AFTER, Router
 from node.cli import options
-from p2p.discovery import InMemoryBoard, InMemoryDiscovery
+from p2p.dht.discovery import InMemoryBoard, InMemoryDiscovery
+from p2p.dht.records import HostedSlice, HostRecord, RelayAddress
 from p2p.identity import Identity
-from p2p.records import HostedSlice, HostRecord, RelayAddress
 from tests.support import async_until
 
 DIGEST = "ab" * 32

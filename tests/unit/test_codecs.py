@@ -54,7 +54,7 @@ def test_int8_zero_rows_and_f16_overflow_behave():
 
 
 def test_the_wire_codec_byte_is_the_codecs_enum():
-    """p2p.wire carries experts.codecs.Codec itself, not a second enum that could drift."""
-    from p2p import wire
+    """p2p.wire.messages carries experts.codecs.Codec itself, not a second enum that could drift."""
+    from p2p.wire import messages as wire
 
     assert wire.Codec is Codec

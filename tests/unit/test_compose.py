@@ -554,7 +554,7 @@ def test_dockerignore_keeps_the_context_small_and_the_image_complete():
     """.dockerignore drops .venv, tests, keys and caches but keeps the package sources and the embedded model."""
     for path in (".venv/bin/python", "tests/unit/test_compose.py", "docker/keys/bootstrap.pem", "experts/__pycache__/x.pyc", "experts/data/embedded.gguf.moeswarm-digest.json"):
         assert dockerignored(ROOT, path), path
-    for path in ("pyproject.toml", "experts/data/embedded.gguf", "p2p/dht.py", "node/cli.py", "docker/entrypoint.sh"):
+    for path in ("pyproject.toml", "experts/data/embedded.gguf", "p2p/dht/kademlia.py", "node/cli.py", "docker/entrypoint.sh"):
         assert not dockerignored(ROOT, path), path
 
 

@@ -28,7 +28,7 @@ from node.ledger.receipts import (
     work_units,
 )
 from p2p.identity import Identity
-from p2p.wire import MAX_RECEIPT_BATCH
+from p2p.wire.messages import MAX_RECEIPT_BATCH
 
 WORKER, BACKBONE = Identity.generate(), Identity.generate()
 

@@ -1,6 +1,6 @@
 """The DHT simulator at 500 nodes: our lookup and upkeep code finds the live hosts before and under churn.
 
-`node/bench/dhtsim.py` runs real `p2p.dht._Node`s over a simulated network on trio's virtual clock, so this runs the
+`node/bench/dhtsim.py` runs real `p2p.dht.kademlia._Node`s over a simulated network on trio's virtual clock, so this runs the
 scale code (walks, provider entries, re-provides, record validation, churn) on every suite run in ~30 CPU s;
 `moeswarm bench dht --simulate --nodes 10000` is the benchmark."""
 
@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from node.bench.dhtsim import MODEL, Options, SimNet, SimPeer, Swarm, run
-from p2p.dht import _Node
+from p2p.dht.kademlia import _Node
 
 
 def test_500_simulated_nodes_find_their_hosts_before_and_under_churn(monkeypatch):

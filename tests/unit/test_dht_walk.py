@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import trio
 from libp2p.peer.id import ID
 
-from p2p.dht import WALK_WIDTH, _Node
-from p2p.dht_libp2p import libp2p_api
+from p2p.dht.kademlia import WALK_WIDTH, _Node
+from p2p.dht.libp2p_glue import libp2p_api
 
 PEERS = [ID(b"\x00" + hashlib.sha256(b"peer %d" % i).digest()) for i in range(60)]
 

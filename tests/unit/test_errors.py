@@ -37,9 +37,12 @@ def test_peer_bytes_are_remote_and_misuse_is_local():
     """Errors about bytes a peer sent are RemoteProtocolErrors; this side's misuse is a LocalProtocolError."""
     from node.backbone.batching import BatchingError
     from node.ledger.receipts import ReceiptError
-    from p2p import natwire, records, tls, wire
+    from p2p.dht import records
     from p2p.identity import IdentityError, KeyFileError
-    from p2p.paths import InvalidTransition
+    from p2p.nat import envelope as natwire
+    from p2p.nat.paths import InvalidTransition
+    from p2p.quic import tls
+    from p2p.wire import messages as wire
     from relay import protocol
 
     for remote in (wire.ProtocolError, natwire.FrameError, records.RecordError, protocol.FrameError, tls.PeerCertificateError, ReceiptError, IdentityError):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2p.frames import Reader, exact_bytes, int_in
+from p2p.wire.frames import Reader, exact_bytes, int_in
 
 
 class Short(Exception):

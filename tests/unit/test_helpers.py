@@ -1,5 +1,5 @@
-"""Reachability helpers: their signed DHT record (p2p/records.py), choosing whom to ask (p2p/helpers.py), and what
-a node announces from its verdict (p2p/nat.py). No sockets."""
+"""Reachability helpers: their signed DHT record (p2p/dht/records.py), choosing whom to ask (p2p/nat/helpers.py), and what
+a node announces from its verdict (p2p/nat/traversal.py). No sockets."""
 
 from __future__ import annotations
 
@@ -9,11 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p.helpers import HelperDirectory, distinct_ips, helper_address, helper_peers
-from p2p.identity import Identity
-from p2p.nat import announced_address
-from p2p.reachability import NatKind, Verdict
-from p2p.records import (
+from p2p.dht.records import (
     MAX_LIFETIME,
     BadSignature,
     HelperRecord,
@@ -31,6 +27,10 @@ from p2p.records import (
     select_best,
     validate,
 )
+from p2p.identity import Identity
+from p2p.nat.helpers import HelperDirectory, distinct_ips, helper_address, helper_peers
+from p2p.nat.reachability import NatKind, Verdict
+from p2p.nat.traversal import announced_address
 
 NOW = 1_800_000_000.0
 ALICE, BOB, CAROL = (Identity.generate() for _ in range(3))

@@ -1,4 +1,4 @@
-"""Hole punching (p2p/holepunch.py) and path state (p2p/paths.py): frames, table, and punches over simulated NATs."""
+"""Hole punching (p2p/nat/holepunch.py) and path state (p2p/nat/paths.py): frames, table, and punches over simulated NATs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p.holepunch import (
+from p2p.identity import PeerId
+from p2p.nat.envelope import FrameError
+from p2p.nat.holepunch import (
     CODEC,
     PATH_LEN,
     Dial,
@@ -28,10 +30,8 @@ from p2p.holepunch import (
     Upgraded,
     session_id,
 )
-from p2p.identity import PeerId
-from p2p.natwire import FrameError
-from p2p.paths import TRANSITIONS, Backoff, InvalidTransition, PathEvent, PathState, PathTable
-from p2p.reachability import NatKind, Verdict
+from p2p.nat.paths import TRANSITIONS, Backoff, InvalidTransition, PathEvent, PathState, PathTable
+from p2p.nat.reachability import NatKind, Verdict
 from tests.support.simnet import Nat, Net
 from tests.unit.test_reachability import NONCE, fixed_identity
 

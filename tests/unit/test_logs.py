@@ -12,7 +12,7 @@ import pytest
 import structlog
 
 from node.logs import configure_logging
-from p2p.dht_libp2p import reattach_libp2p_logger
+from p2p.dht.libp2p_glue import reattach_libp2p_logger
 
 
 @pytest.fixture

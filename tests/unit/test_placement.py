@@ -8,8 +8,8 @@ from experts.errors import UsageError
 from experts.gguf_model import ExpertRange
 from node.status.coverage import build_coverage
 from node.worker.placement import Part, check_advertise, choose_part, default_budget, host_counts, memory_available
+from p2p.dht.records import HostedSlice, HostRecord, issue
 from p2p.identity import Identity
-from p2p.records import HostedSlice, HostRecord, issue
 
 DIGEST = "ab" * 32
 MB = 1 << 20

@@ -9,11 +9,11 @@ import pytest
 import trio
 from libp2p.peer.id import ID
 
-from p2p.dht import WALK_WIDTH, ProvidePacer, _Node
-from p2p.discovery import Announcer
+from p2p.dht.discovery import Announcer
+from p2p.dht.kademlia import WALK_WIDTH, ProvidePacer, _Node
+from p2p.dht.provisions import MIN_GAP, REPROVIDE_AFTER, Provisions, View
+from p2p.dht.records import HostedSlice
 from p2p.identity import Identity
-from p2p.provisions import MIN_GAP, REPROVIDE_AFTER, Provisions, View
-from p2p.records import HostedSlice
 
 KEY = b"\x12\x20" + hashlib.sha256(b"key").digest()
 PEERS = [ID(b"\x00" + hashlib.sha256(b"peer %d" % i).digest()) for i in range(200)]

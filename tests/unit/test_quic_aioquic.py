@@ -1,4 +1,4 @@
-"""``p2p.quic_aioquic.AuthQuicConnection``'s ACK policy, in memory: a client and a server connection pass datagrams
+"""``p2p.quic.adapter.AuthQuicConnection``'s ACK policy, in memory: a client and a server connection pass datagrams
 by hand with a hand-moved clock (aioquic's own test style), so the count of datagrams per request/reply is exact."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 
 from p2p.identity import Identity
-from p2p.quic import ALPN, CID_LENGTH
-from p2p.quic_aioquic import ACK_DELAY, AuthQuicConnection
-from p2p.tls import make_certificate
+from p2p.quic.adapter import ACK_DELAY, AuthQuicConnection
+from p2p.quic.endpoint import ALPN, CID_LENGTH
+from p2p.quic.tls import make_certificate
 
 CLIENT_ADDR, SERVER_ADDR = ("10.0.0.1", 1000), ("10.0.0.2", 2000)
 SIZE = 12288  # a reference-shape dispatch: one datagram at 16384

@@ -1,10 +1,10 @@
-"""The Initial gate (p2p.quic_gate): the table of its docstring, row by row, and its refusal counter."""
+"""The Initial gate (p2p.quic.gate): the table of its docstring, row by row, and its refusal counter."""
 
 from __future__ import annotations
 
 import pytest
 
-from p2p.quic_gate import Admit, InitialGate
+from p2p.quic.gate import Admit, InitialGate
 
 CAP = 4
 

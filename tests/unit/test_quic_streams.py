@@ -1,4 +1,4 @@
-"""The sans-IO request-per-stream layer (p2p.quic_streams) in memory: two RequestStreams joined by a fake wire that
+"""The sans-IO request-per-stream layer (p2p.quic.streams) in memory: two RequestStreams joined by a fake wire that
 cuts messages into packets and interleaves streams, with a hand-moved clock. No sockets, no asyncio, no aioquic."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import cast
 
 import pytest
 
-from p2p.budget import ServeBudget, ServeLimits
 from p2p.identity import Identity
-from p2p.quic_errors import ConnectionLost, ErrorCode, MessageTooLarge, RemoteError
-from p2p.quic_streams import (
+from p2p.quic.budget import ServeBudget, ServeLimits
+from p2p.quic.errors import ConnectionLost, ErrorCode, MessageTooLarge, RemoteError
+from p2p.quic.streams import (
     AbortStream,
     CallFailed,
     Event,

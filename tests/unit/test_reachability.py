@@ -1,4 +1,4 @@
-"""Reachability (p2p/reachability.py, p2p/natwire.py): frames, the verdict, and the protocol over simulated NATs."""
+"""Reachability (p2p/nat/reachability.py, p2p/nat/envelope.py): frames, the verdict, and the protocol over simulated NATs."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p.identity import Identity
-from p2p.natwire import ENVELOPE_LEN, FRAME_MARK, MAX_FRAME, BadSignature, FrameError, FrameTooLarge, Unknown
-from p2p.reachability import (
+from p2p.nat.envelope import ENVELOPE_LEN, FRAME_MARK, MAX_FRAME, BadSignature, FrameError, FrameTooLarge, Unknown
+from p2p.nat.reachability import (
     CODEC,
     MIN_REQUEST,
     DialBack,

@@ -16,9 +16,9 @@ from experts.gguf_model import GGUFModel
 from experts.slices import ExpertStore
 from node.ledger.receipts import Receipt, ReceiptStamp, build_receipt, decode_issued, verify
 from node.worker.service import Worker
-from p2p import wire
 from p2p.identity import Identity
 from p2p.pathkind import Path
+from p2p.wire import messages as wire
 from relay.client import virtual_address
 
 from ..conftest import make_model

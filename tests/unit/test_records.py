@@ -1,4 +1,4 @@
-"""Signed host records (p2p/records.py) and the sans-IO parts of discovery (p2p/discovery.py)."""
+"""Signed host records (p2p/dht/records.py) and the sans-IO parts of discovery (p2p/dht/discovery.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p.discovery import Announcer, CachedDiscovery, InMemoryBoard, InMemoryDiscovery, live_hosts
-from p2p.identity import Identity
-from p2p.records import (
+from p2p.dht.discovery import Announcer, CachedDiscovery, InMemoryBoard, InMemoryDiscovery, live_hosts
+from p2p.dht.records import (
     _TAIL,
     MAX_CLOCK_SKEW,
     MAX_KERNEL_BYTES,
@@ -39,6 +38,7 @@ from p2p.records import (
     sign,
     value_key,
 )
+from p2p.identity import Identity
 from tests.support import FakeClock, async_until
 
 MODEL = hashlib.sha256(b"model-a").hexdigest()

@@ -8,8 +8,8 @@ import pytest
 
 from node.backbone.routing import Router
 from node.ledger.receipts import Receipt, ReceiptError, ReceiptStamp, sign, verify, work_units
+from p2p.dht.records import HostedSlice, HostRecord
 from p2p.identity import Identity
-from p2p.records import HostedSlice, HostRecord
 
 DIGEST = "ab" * 32
 

@@ -13,8 +13,8 @@ from experts.parts import TOKENIZER_ITEM, is_expert_tensor, parse_manifest
 from experts.slices import ExpertStore, write_slice
 from node.worker.service import Worker
 from node.worker.slice_server import SliceBusy, SliceLimits, SliceRefused, SliceServer
-from p2p import wire
 from p2p.identity import Identity
+from p2p.wire import messages as wire
 
 MODEL = GGUFModel(EMBEDDED_MODEL)
 MID = wire.model_id_of(bytes.fromhex(MODEL.digest))

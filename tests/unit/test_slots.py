@@ -1,10 +1,10 @@
-"""Provider slots per key (p2p/slots.py): no network monopolises a key, refreshes renew, entries expire (sans-IO)."""
+"""Provider slots per key (p2p/dht/slots.py): no network monopolises a key, refreshes renew, entries expire (sans-IO)."""
 
 from __future__ import annotations
 
 import pytest
 
-from p2p.slots import Admission, OwnerQuota, ProviderSlots, address_group
+from p2p.dht.slots import Admission, OwnerQuota, ProviderSlots, address_group
 
 KEY = b"key"
 

@@ -15,9 +15,9 @@ from node.status.coverage import Phase, Seen, build_coverage, host_summaries, re
 from node.status.metrics import RecordTail
 from node.status.page import render
 from node.status.server import ModelShape, NodeStatus, add_routes
+from p2p.dht.records import HostedSlice, HostRecord, RelayAddress
 from p2p.identity import Identity
 from p2p.pathkind import Path
-from p2p.records import HostedSlice, HostRecord, RelayAddress
 
 DIGEST = "ab" * 32
 A, B = Identity.generate(), Identity.generate()

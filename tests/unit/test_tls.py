@@ -12,8 +12,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2p import tls
 from p2p.identity import Identity
+from p2p.quic import tls
 
 NOW = float(int(time.time()))  # X.509 times have whole seconds
 

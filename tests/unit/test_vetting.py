@@ -1,4 +1,4 @@
-"""Lookup-side vetting (p2p/vetting.py): only hosts that answered a ping or served are used, incumbents first (sans-IO)."""
+"""Lookup-side vetting (p2p/dht/vetting.py): only hosts that answered a ping or served are used, incumbents first (sans-IO)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import hashlib
 
 import pytest
 
-from p2p.discovery import InMemoryBoard, InMemoryDiscovery
+from p2p.dht.discovery import InMemoryBoard, InMemoryDiscovery
+from p2p.dht.records import HostedSlice, HostRecord, issue
+from p2p.dht.vetting import HostVetting, VettedDiscovery, host_group
 from p2p.identity import Identity, PeerId
-from p2p.quic_errors import TransportTimeout
-from p2p.records import HostedSlice, HostRecord, issue
-from p2p.vetting import HostVetting, VettedDiscovery, host_group
+from p2p.quic.errors import TransportTimeout
 from tests.support import FakeClock
 
 MODEL = hashlib.sha256(b"model-v").hexdigest()

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p import wire
-from p2p.wire import (
+from p2p.wire import messages as wire
+from p2p.wire.messages import (
     MAX_ERROR_TEXT,
     MAX_MESSAGE,
     MAX_RECEIPT,

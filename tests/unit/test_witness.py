@@ -6,7 +6,7 @@ import pytest
 
 from node.ledger.store import EntryError, Ledger, Role
 from node.ledger.witness import UNKNOWN, SignedHead, Verdict, judge
-from p2p import wire
+from p2p.wire import messages as wire
 from tests.support import FakeClock
 from tests.unit.test_ledger import make_receipt
 

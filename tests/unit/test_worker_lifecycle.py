@@ -14,8 +14,8 @@ from experts.gguf_model import GGUFModel
 from experts.slices import ExpertStore
 from node.worker.lifecycle import TRANSITIONS, Lifecycle, State
 from node.worker.service import Worker
-from p2p import wire
 from p2p.identity import Identity
+from p2p.wire import messages as wire
 
 from ..conftest import make_model
 

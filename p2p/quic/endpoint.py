@@ -11,37 +11,37 @@ address) to ``send`` instead of the socket, and ``datagram_received(data, addr)`
 way, so a relay carries the very same QUIC packets. ``send`` must not call ``datagram_received`` synchronously.
 (aioquic clients drop packets from any address but the one dialled; servers follow a peer to a new address.)
 
-Paths, for NAT traversal (``p2p.udp_edge``). Probes and punch packets must use this very socket, whose NAT mapping
+Paths, for NAT traversal (``p2p.nat.udp_edge``). Probes and punch packets must use this very socket, whose NAT mapping
 they learn or open: ``sendto`` sends one, and ``set_datagram_filter`` gets first look at every datagram the socket
 receives. One peer may hold several connections (``paths``), e.g. a relayed one and a punched direct one, which
 must be a new connection since a client cannot migrate: ``dial_path`` makes it, ``prefer_path`` picks the one
 requests use, ``close_path`` ends one and requests fall back to another path.
 
 Authentication. aioquic 1.7.2's TLS can request a client certificate but has no public switch for it
-(``tls.Context._request_client_certificate``, "for test purposes only"; aiortc/aioquic#541). ``AuthQuicConnection`` (``p2p.quic_aioquic``)
-sets it on the server side; both sides present a ``p2p.tls`` certificate and TLS proves each holds its certificate
+(``tls.Context._request_client_certificate``, "for test purposes only"; aiortc/aioquic#541). ``AuthQuicConnection`` (``p2p.quic.adapter``)
+sets it on the server side; both sides present a ``p2p.quic.tls`` certificate and TLS proves each holds its certificate
 key (CertificateVerify). aioquic checks no chain (``CERT_NONE``: there is no CA); when it reports the handshake
-complete we run ``p2p.tls.verify_certificate`` before reading one stream byte: the client against the peer id it
+complete we run ``p2p.quic.tls.verify_certificate`` before reading one stream byte: the client against the peer id it
 dialled, the server to learn who called. A failure closes the connection with ``ErrorCode.PEER_AUTH_FAILED`` and
 the reason. No session tickets are issued (a resumed session carries no certificate).
 
 Messages. A request is one bidirectional stream: payload, FIN; the reply returns on it, FIN. The stream's end
-delimits the message: no framing, no head-of-line blocking between requests (``p2p/bench_quic.py`` compares a framed
+delimits the message: no framing, no head-of-line blocking between requests (``node/bench/quic.py`` compares a framed
 persistent stream). A message above ``max_message`` is refused with STOP_SENDING/RESET_STREAM
 (``ErrorCode.MESSAGE_TOO_LARGE``), never buffered, and stream windows stop at ``max_message + 1``. That bookkeeping
-is the sans-IO ``p2p.quic_streams.RequestStreams`` (one per verified connection); this module only moves its
+is the sans-IO ``p2p.quic.streams.RequestStreams`` (one per verified connection); this module only moves its
 commands to aioquic and its results to futures and handler tasks.
 
 Bounded resources (docs/architecture.md, "Limits"). What peers may make a serving endpoint buffer is one
-``p2p.budget.ServeBudget`` shared by all its connections (request bytes and streams, per connection and in all;
+``p2p.quic.budget.ServeBudget`` shared by all its connections (request bytes and streams, per connection and in all;
 refusals reset the stream with ``ErrorCode.OVERLOADED``); aioquic's own per-connection stream count is capped to
 the same ``max_streams_per_conn``, and its connection credit to one ``max_bytes_per_conn`` window ahead of what the
 peer sent (``AuthQuicConnection``). Unverified (half-open) connections are capped too: a first Initial whose packet
 does not decrypt is dropped with its connection at once (aioquic would keep it for the idle timeout), and beyond
 ``max_half_open`` half-open connections a new client must prove its address with a stateless Retry first
-(``p2p.quic_gate`` has the table). Below the cap no Retry is sent, so a normal dial costs no extra round trip.
+(``p2p.quic.gate`` has the table). Below the cap no Retry is sent, so a normal dial costs no extra round trip.
 
-Events. ``subscribe(fn)`` calls ``fn`` with a ``p2p.quic_events.PathOpened`` when a connection passes
+Events. ``subscribe(fn)`` calls ``fn`` with a ``p2p.quic.events.PathOpened`` when a connection passes
 authentication and a ``PathClosed`` when a verified one starts closing, so path keeping needs no polling.
 
 aioquic 1.7.2 pitfalls handled (docs/FIELD-NOTES.md): ``max_datagram_size`` is at most 16384 (beyond, a STREAM frame can
@@ -51,10 +51,10 @@ id twice); per-stream state is ``RequestStreams``' and dropped when the stream e
 forgets one); pending requests fail with ``ConnectionLost`` naming the peer as soon as the connection starts
 closing (``AuthQuicConnection.closing``), not when aioquic reports its end; our streams send with aioquic's own
 ``QuicStreamSender.get_frame``, reloaded from its source, since importing libp2p replaces it. Every use of aioquic
-internals is in ``p2p.quic_aioquic``.
+internals is in ``p2p.quic.adapter``.
 
-Kept here: the endpoint's behaviour. Its error vocabulary is ``p2p.quic_errors`` (re-exported here), its
-per-connection records are ``p2p.quic_conn`` and its events ``p2p.quic_events``.
+Kept here: the endpoint's behaviour. Its error vocabulary is ``p2p.quic.errors`` (re-exported here), its
+per-connection records are ``p2p.quic.conn`` and its events ``p2p.quic.events``.
 """
 
 from __future__ import annotations
@@ -76,15 +76,15 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import QuicPacketType, encode_quic_retry, pull_quic_header
 from aioquic.quic.retry import QuicRetryTokenHandler
 
-from p2p.budget import ServeBudget, ServeLimits
 from p2p.identity import Identity, PeerId
 from p2p.ports import binding
-from p2p.quic_aioquic import AuthQuicConnection
-from p2p.quic_conn import Conn, retrieve, settle
-from p2p.quic_errors import Address, ConnectionLost, ErrorCode, MessageTooLarge, PeerAuthError, RemoteError, TransportError, TransportTimeout  # noqa: F401  re-exported: callers import errors from here
-from p2p.quic_events import EndpointEvent, PathClosed, PathOpened, Subscriber
-from p2p.quic_gate import MAX_HALF_OPEN, Admit, InitialGate
-from p2p.quic_streams import (
+from p2p.quic.adapter import AuthQuicConnection
+from p2p.quic.budget import ServeBudget, ServeLimits
+from p2p.quic.conn import Conn, retrieve, settle
+from p2p.quic.errors import Address, ConnectionLost, ErrorCode, MessageTooLarge, PeerAuthError, RemoteError, TransportError, TransportTimeout  # noqa: F401  re-exported: callers import errors from here
+from p2p.quic.events import EndpointEvent, PathClosed, PathOpened, Subscriber
+from p2p.quic.gate import MAX_HALF_OPEN, Admit, InitialGate
+from p2p.quic.streams import (
     AbortStream,
     CallFailed,
     Output,
@@ -97,7 +97,7 @@ from p2p.quic_streams import (
     StreamsEvicted,
     check_request_size,
 )
-from p2p.tls import PeerCertificateError, make_certificate, verify_certificate
+from p2p.quic.tls import PeerCertificateError, make_certificate, verify_certificate
 
 Handler = Callable[[PeerId, bytes], Awaitable[bytes]]
 DatagramFilter = Callable[[bytes, Address], bool]  # True: the datagram was consumed, QUIC never sees it
@@ -108,7 +108,7 @@ MIN_DATAGRAM = 1200  # QUIC's minimum; safe on any path
 MAX_DATAGRAM = 16384  # above this aioquic 1.7.2 can emit STREAM frames > 16383 bytes and break the connection
 _MAX_REASON = 200
 
-log = structlog.get_logger("p2p.quic")
+log = structlog.get_logger("p2p.quic.endpoint")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -215,7 +215,7 @@ class Endpoint:
         ends: 1200 works on every path, 1452 fits Ethernet without tunnels, 16384 is for loopback. A silent peer is
         declared gone after ``idle_timeout`` seconds; ``keepalive`` PINGs keep quiet connections open meanwhile. A
         request whose stream gets no data for ``stream_timeout`` seconds before it is complete is reset.
-        ``serve_limits`` bound what peers may make a serving endpoint hold (``p2p.budget``); past ``max_half_open``
+        ``serve_limits`` bound what peers may make a serving endpoint hold (``p2p.quic.budget``); past ``max_half_open``
         unverified connections new clients must pass a Retry first.
         """
         endpoint = cls(
@@ -274,7 +274,7 @@ class Endpoint:
         self._routes.pop(addr, None)
 
     def subscribe(self, fn: Subscriber) -> None:
-        """Call ``fn(event)`` for every ``PathOpened`` / ``PathClosed`` from now on (``p2p.quic_events``)."""
+        """Call ``fn(event)`` for every ``PathOpened`` / ``PathClosed`` from now on (``p2p.quic.events``)."""
         self._subscribers.append(fn)
 
     def unsubscribe(self, fn: Subscriber) -> None:
@@ -309,7 +309,7 @@ class Endpoint:
         self._pump(conn)
 
     def _admit(self, header: Any, addr: Address) -> Conn | None:
-        """A connection for a new client's Initial, or None (a Retry sent, or dropped): ``p2p.quic_gate`` decides."""
+        """A connection for a new client's Initial, or None (a Retry sent, or dropped): ``p2p.quic.gate`` decides."""
         now, routable = self._loop.time(), is_ip(addr[0])
         original, token = header.destination_cid, None
         if header.token:  # only ours are valid: we issue no NEW_TOKEN tokens

@@ -1,7 +1,7 @@
-"""What ``p2p.quic.Endpoint`` keeps per connection: a plain record, no I/O of its own.
+"""What ``p2p.quic.endpoint.Endpoint`` keeps per connection: a plain record, no I/O of its own.
 
-Split from ``p2p.quic`` so the endpoint module holds only behaviour; the endpoint alone creates and changes these.
-The request bookkeeping on the connection's streams is the sans-IO ``p2p.quic_streams.RequestStreams``; the record
+Split from ``p2p.quic.endpoint`` so the endpoint module holds only behaviour; the endpoint alone creates and changes these.
+The request bookkeeping on the connection's streams is the sans-IO ``p2p.quic.streams.RequestStreams``; the record
 holds only what ties it to asyncio (the caller's futures and the handler's tasks).
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2p.identity import PeerId
-from p2p.quic_aioquic import AuthQuicConnection
-from p2p.quic_errors import Address, TransportError
-from p2p.quic_streams import RequestStreams
+from p2p.quic.adapter import AuthQuicConnection
+from p2p.quic.errors import Address, TransportError
+from p2p.quic.streams import RequestStreams
 
 
 @dataclass(eq=False)

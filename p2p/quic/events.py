@@ -1,6 +1,6 @@
-"""What a ``p2p.quic.Endpoint`` tells its subscribers: a verified connection (a path to a peer) opened or closed.
+"""What a ``p2p.quic.endpoint.Endpoint`` tells its subscribers: a verified connection (a path to a peer) opened or closed.
 
-Typed, frozen records so that path keeping (``p2p.holepunch_edge.PathManager``) and tests react to connections
+Typed, frozen records so that path keeping (``p2p.nat.holepunch_edge.PathManager``) and tests react to connections
 instead of polling ``Endpoint.paths``. Subscribers are plain callbacks (``Endpoint.subscribe``), called on the
 endpoint's loop as the change happens: they must be quick and must not raise.
 """
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from p2p.identity import PeerId
-from p2p.quic_errors import Address
+from p2p.quic.errors import Address
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """A node's NAT traversal in one object: reachability on its QUIC socket, punching relayed peers, the path in use.
 
 Every swarm node (bootstrap, relay, worker, backbone) taps its QUIC endpoint's UDP socket once
-(``p2p.udp_edge``; a second tap would steal the first one's frames) and runs ``ReachabilityService`` there:
+(``p2p.nat.udp_edge``; a second tap would steal the first one's frames) and runs ``ReachabilityService`` there:
 it answers other nodes' probes (that is what makes a public node a helper) and, when asked,
 ``check()``s this node's own reachability against the ``helpers``. A node that also talks
-through a relay ``attach_relay``s it: the path manager (``p2p.holepunch_edge``) then answers
+through a relay ``attach_relay``s it: the path manager (``p2p.nat.holepunch_edge``) then answers
 punch requests with this node's verdict and, if ``initiate`` (the backbone), tries to punch every
 peer it reaches through the relay. Requests keep addressing the peer; once a punch succeeds the
 endpoint prefers the direct connection and falls back to the relayed one (kept open) when the
@@ -13,14 +13,14 @@ direct path dies.
 
 from __future__ import annotations
 
-from p2p.holepunch import HolePunch
-from p2p.holepunch_edge import PathManager
 from p2p.identity import Identity, PeerId
+from p2p.nat.holepunch import HolePunch
+from p2p.nat.holepunch_edge import PathManager
+from p2p.nat.reachability import NatKind, Reachability, ReachabilityConfig, Verdict
+from p2p.nat.reachability_edge import PeerList, ReachabilityService
+from p2p.nat.udp_edge import EndpointTap, RelayLink
 from p2p.pathkind import Path
-from p2p.quic import Endpoint
-from p2p.reachability import NatKind, Reachability, ReachabilityConfig, Verdict
-from p2p.reachability_edge import PeerList, ReachabilityService
-from p2p.udp_edge import EndpointTap, RelayLink
+from p2p.quic.endpoint import Endpoint
 
 
 def path_of(endpoint: Endpoint, peer: PeerId) -> Path:

@@ -1,4 +1,4 @@
-"""Runs ``p2p.holepunch`` for one endpoint: moves relayed peers to direct paths and back.
+"""Runs ``p2p.nat.holepunch`` for one endpoint: moves relayed peers to direct paths and back.
 
 Coordination frames go through the relay link (``RelayTap``), punch and keepalive packets through the QUIC socket
 (``EndpointTap``). Whenever a connection opens or closes (the endpoint's ``PathOpened`` / ``PathClosed`` events), a
@@ -17,7 +17,9 @@ from collections.abc import Callable
 
 import structlog
 
-from p2p.holepunch import (
+from p2p.identity import PeerId
+from p2p.nat.envelope import Address
+from p2p.nat.holepunch import (
     PATH_MAGIC,
     Action,
     Dial,
@@ -27,15 +29,13 @@ from p2p.holepunch import (
     SendUdp,
     Upgraded,
 )
-from p2p.identity import PeerId
-from p2p.natwire import Address
-from p2p.paths import PathState
-from p2p.quic import TransportError
-from p2p.quic_events import EndpointEvent
-from p2p.reachability import Verdict
-from p2p.udp_edge import EndpointTap, RelayLink, RelayTap
+from p2p.nat.paths import PathState
+from p2p.nat.reachability import Verdict
+from p2p.nat.udp_edge import EndpointTap, RelayLink, RelayTap
+from p2p.quic.endpoint import TransportError
+from p2p.quic.events import EndpointEvent
 
-log = structlog.get_logger("p2p.holepunch")
+log = structlog.get_logger("p2p.nat.holepunch")
 
 
 class PathManager:

@@ -28,9 +28,9 @@ import structlog
 from experts.errors import LocalProtocolError
 from p2p import backoff
 from p2p.identity import PeerId
-from p2p.natwire import Address
+from p2p.nat.envelope import Address
 
-log = structlog.get_logger("p2p.paths")
+log = structlog.get_logger("p2p.nat.paths")
 
 
 class PathState(StrEnum):

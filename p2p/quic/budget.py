@@ -1,6 +1,6 @@
 """What peers may make a serving endpoint hold: request bytes and open request streams, sans-IO.
 
-Theory of operation. One ``ServeBudget`` per endpoint is shared by the ``p2p.quic_streams.RequestStreams`` of all
+Theory of operation. One ``ServeBudget`` per endpoint is shared by the ``p2p.quic.streams.RequestStreams`` of all
 its connections. A request stream is charged from its first byte until it is answered, refused, reset, timed out or
 its connection closes: one stream slot and every byte of it (what ``RequestStreams`` buffers, then what the handler
 holds while it computes). Two scopes, two answers:

@@ -1,6 +1,6 @@
 """One request per QUIC stream, sans-IO: stream events in, completed requests/replies and stream commands out.
 
-Like aioquic's ``h0/connection.py``, but owning no ``QuicConnection``: ``p2p.quic.Endpoint`` feeds a
+Like aioquic's ``h0/connection.py``, but owning no ``QuicConnection``: ``p2p.quic.endpoint.Endpoint`` feeds a
 ``RequestStreams`` (one per verified connection) the stream events aioquic reports, performs the ``SendStream`` /
 ``ResetStream`` / ``AbortStream`` commands it returns and acts on its events; ``tests/unit/test_quic_streams.py``
 drives two of them against each other with a hand-moved clock. No asyncio, no aioquic: time is a parameter.
@@ -10,7 +10,7 @@ stream, FIN, or the stream is reset with an ``ErrorCode`` (handler failed, no ha
 stream's end delimits the message, so there is no framing.
 
 Limits. A message above ``max_message`` is refused (STOP_SENDING + RESET_STREAM, ``MESSAGE_TOO_LARGE``) before its
-bytes are buffered. Every request stream is charged to the endpoint's ``p2p.budget.ServeBudget`` (streams and bytes,
+bytes are buffered. Every request stream is charged to the endpoint's ``p2p.quic.budget.ServeBudget`` (streams and bytes,
 per connection and in all) from its first byte until it is answered: a stream the budget refuses is reset
 (``OVERLOADED``), and the stalest incomplete streams it evicts to make room are reset the same way
 (``StreamsEvicted`` names those of other connections). A request stream that receives nothing for ``stream_timeout``
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from p2p.budget import Key, ServeBudget
 from p2p.identity import PeerId
-from p2p.quic_errors import ErrorCode, MessageTooLarge, RemoteError, TransportError
+from p2p.quic.budget import Key, ServeBudget
+from p2p.quic.errors import ErrorCode, MessageTooLarge, RemoteError, TransportError
 
-log = structlog.get_logger("p2p.quic")
+log = structlog.get_logger("p2p.quic.endpoint")
 
 
 # --- commands: what the transport must do ------------------------------------------------------------------------

@@ -19,7 +19,7 @@ signer other than B at an IP we have not contacted (``contact_memory``). Request
 bytes, which is at least every reply they cause, so no one can use a node to amplify traffic; a helper sends one
 probe per ask, no larger than the ask, and only to the address B *observed*, never to one A claims.
 
-Frames use the signed envelope of ``p2p.natwire`` (magic 0x0D "RC"). Sans-IO: no sockets, no asyncio; the clock
+Frames use the signed envelope of ``p2p.nat.envelope`` (magic 0x0D "RC"). Sans-IO: no sockets, no asyncio; the clock
 (``now``) and the randomness are parameters.
 """
 
@@ -36,7 +36,7 @@ import structlog
 
 from p2p.backoff import Backoff
 from p2p.identity import Identity, PeerId
-from p2p.natwire import (
+from p2p.nat.envelope import (
     HEADER,
     KEY_LEN,
     NONCE_LEN,
@@ -57,7 +57,7 @@ MAX_AVOID = 8
 MAGIC = b"\x0dRC"
 CONTEXT = b"moeswarm/reachability/v1\n"
 
-log = structlog.get_logger("p2p.reachability")
+log = structlog.get_logger("p2p.nat.reachability")
 
 
 # --- reachability frames --------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ _NONCE_AT = HEADER.size + KEY_LEN  # every body starts with its nonce
 
 
 class NatKind(IntEnum):
-    """What a node is behind (an IntEnum: it travels in ``p2p.holepunch`` frames)."""
+    """What a node is behind (an IntEnum: it travels in ``p2p.nat.holepunch`` frames)."""
 
     UNKNOWN = 0
     PUBLIC = 1  # a stranger's datagram reached our observed address

@@ -1,6 +1,6 @@
-"""What the QUIC data path (``p2p.quic``) can fail with: its application error codes and exception hierarchy.
+"""What the QUIC data path (``p2p.quic.endpoint``) can fail with: its application error codes and exception hierarchy.
 
-Kept apart from the aioquic edge so the error vocabulary reads in one place; ``p2p.quic`` re-exports every name,
+Kept apart from the aioquic edge so the error vocabulary reads in one place; ``p2p.quic.endpoint`` re-exports every name,
 so callers keep importing them from there.
 """
 
@@ -24,7 +24,7 @@ class ErrorCode(IntEnum):
     CANCELLED = 4
     PEER_AUTH_FAILED = 5
     PROTOCOL_VIOLATION = 6
-    OVERLOADED = 7  # the serving endpoint's budget (p2p.budget) has no room for this request: retry later or elsewhere
+    OVERLOADED = 7  # the serving endpoint's budget (p2p.quic.budget) has no room for this request: retry later or elsewhere
 
 
 class TransportError(MoeSwarmError):

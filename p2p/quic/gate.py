@@ -2,7 +2,7 @@
 
 Theory of operation. A server connection costs ~30 KB from the first Initial on, and a genuine Initial also costs a
 TLS key exchange and a signature; an attacker can send thousands a second without ever completing a handshake.
-``p2p.quic.Endpoint`` drops Initials whose packet does not decrypt at once (no state survives them) and asks this gate
+``p2p.quic.endpoint.Endpoint`` drops Initials whose packet does not decrypt at once (no state survives them) and asks this gate
 about every other new client, given how many unverified (half-open) connections it holds:
 
 =================  ===========================  ============================================
@@ -27,7 +27,7 @@ from enum import Enum
 
 import structlog
 
-log = structlog.get_logger("p2p.quic")
+log = structlog.get_logger("p2p.quic.endpoint")
 
 MAX_HALF_OPEN = 64  # unverified connections held before new clients must pass a Retry
 

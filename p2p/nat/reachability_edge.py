@@ -1,4 +1,4 @@
-"""Runs ``p2p.reachability`` on an endpoint's UDP socket: answers other nodes and keeps our own verdict fresh.
+"""Runs ``p2p.nat.reachability`` on an endpoint's UDP socket: answers other nodes and keeps our own verdict fresh.
 
 ``check()`` asks ``observers`` peers (at different IPs; two suffice, and every peer we ask can no longer serve as
 a dial-back helper) where they see us, then one that answered for a dial-back, and returns the verdict.
@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from p2p.identity import PeerId
-from p2p.natwire import Address
-from p2p.reachability import MAGIC, UNKNOWN, Reachability, Send, Verdict, choose_observers
-from p2p.udp_edge import EndpointTap
+from p2p.nat.envelope import Address
+from p2p.nat.reachability import MAGIC, UNKNOWN, Reachability, Send, Verdict, choose_observers
+from p2p.nat.udp_edge import EndpointTap
 
-log = structlog.get_logger("p2p.reachability")
+log = structlog.get_logger("p2p.nat.reachability")
 
 PeerList = Callable[[], Sequence[tuple[PeerId, Address]]]
 HELPERS_REFRESH = 1.0  # seconds between reads of ``peers()`` for the helpers we name to others

@@ -1,8 +1,8 @@
-"""py-libp2p 0.8.1 under :mod:`p2p.dht`: imported lazily, with our record validator, an expiry-clamping record
-store, a provider store that no network can monopolise (:mod:`p2p.slots`), patched Kademlia routing, and its logger
+"""py-libp2p 0.8.1 under :mod:`p2p.dht.kademlia`: imported lazily, with our record validator, an expiry-clamping record
+store, a provider store that no network can monopolise (:mod:`p2p.dht.slots`), patched Kademlia routing, and its logger
 re-attached to the root (see :func:`reattach_libp2p_logger`).
 
-Everything here works around a measured defect listed in :mod:`p2p.dht`'s docstring; keeping it in one module keeps
+Everything here works around a measured defect listed in :mod:`p2p.dht.kademlia`'s docstring; keeping it in one module keeps
 the DHT logic free of libp2p's internals and makes the next libp2p upgrade a one-file review.
 """
 
@@ -19,11 +19,11 @@ from typing import Any
 import structlog
 import trio
 
+from p2p.dht.records import HostRecord, ModelShape, RecordError, expires_at_of, select_best, signer_of, validate
+from p2p.dht.slots import Admission, OwnerQuota, ProviderSlots, address_group
 from p2p.lograte_edge import ThrottledLog
-from p2p.records import HostRecord, ModelShape, RecordError, expires_at_of, select_best, signer_of, validate
-from p2p.slots import Admission, OwnerQuota, ProviderSlots, address_group
 
-log = structlog.get_logger("p2p.dht")
+log = structlog.get_logger("p2p.dht.kademlia")
 # What any DHT peer can make a node refuse at will; used from the DHT's trio thread only (one ThrottledLog, one thread).
 peer_log = ThrottledLog(log)
 
@@ -102,7 +102,7 @@ def _import_libp2p() -> SimpleNamespace:
 
     class ExpiringValueStore(ValueStore):
         """A value store that forgets each record at its own expires_at, not libp2p's fixed 24 h, and holds at most
-        `p2p.slots.OwnerQuota` values per signer."""
+        `p2p.dht.slots.OwnerQuota` values per signer."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -137,7 +137,7 @@ def _import_libp2p() -> SimpleNamespace:
             self.store[key] = (stored, min(validity, expires_at))
 
     class FairProviderStore(ProviderStore):
-        """libp2p's provider store with `p2p.slots.ProviderSlots` deciding who holds the slots of a key.
+        """libp2p's provider store with `p2p.dht.slots.ProviderSlots` deciding who holds the slots of a key.
 
         A provider is filed under the network its connection to us comes from (what it cannot choose), not under
         the addresses it claims; our own entries (``provide`` adds them locally) count as their own network.

@@ -33,15 +33,15 @@ from dataclasses import dataclass, field
 import structlog
 
 from experts.errors import RemoteProtocolError
-from p2p import wire
 from p2p.backoff import Backoff
 from p2p.connector import Connector
-from p2p.discovery import Discovery
+from p2p.dht.discovery import Discovery
+from p2p.dht.records import HostedSlice, HostRecord
+from p2p.dht.slots import address_group
 from p2p.identity import PeerId
 from p2p.lograte_edge import ThrottledLog
-from p2p.quic_errors import TransportError
-from p2p.records import HostedSlice, HostRecord
-from p2p.slots import address_group
+from p2p.quic.errors import TransportError
+from p2p.wire import messages as wire
 
 log = structlog.get_logger(__name__)
 

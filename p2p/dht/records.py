@@ -19,7 +19,7 @@ Layout of a value (all integers big-endian)::
 The signature covers ``SIGNING_CONTEXT + everything before it``.
 
 A second record type lives in the same namespace: a ``HelperRecord`` says "this public node answers reachability
-probes (``p2p.reachability``) on UDP at this address". Its key hashes the peer id under another domain, so it never
+probes (``p2p.nat.reachability``) on UDP at this address". Its key hashes the peer id under another domain, so it never
 collides with a host record; its value starts with its own magic and has its own signing context::
 
     magic "MSH1" | peer id (u8 len + bytes) | quic addr (u8 len + ASCII, empty = withdrawn)
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from experts.errors import RemoteProtocolError
-from p2p import frames
 from p2p.identity import Identity, IdentityError, PeerId
+from p2p.wire import frames
 
 NAMESPACE = "moeswarm"
 MAGIC = b"MSR3"  # v2: the kernel identity joined the record; v3: the flags byte (serves slices)
@@ -196,7 +196,7 @@ class HostedSlice:
     capacity: int = 0
     price: int = 0
     kernel: str = ""
-    serves_slices: bool = False  # answers SliceInfoRequest/PieceRequest for its experts (p2p.wire, slice distribution)
+    serves_slices: bool = False  # answers SliceInfoRequest/PieceRequest for its experts (p2p.wire.messages, slice distribution)
 
     def __post_init__(self) -> None:
         digest = self.model_digest

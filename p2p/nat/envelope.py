@@ -1,9 +1,9 @@
-"""The signed datagram envelope and field codecs shared by ``p2p.reachability`` and ``p2p.holepunch``.
+"""The signed datagram envelope and field codecs shared by ``p2p.nat.reachability`` and ``p2p.nat.holepunch``.
 
 These frames travel as raw UDP datagrams on the QUIC socket (and some through the relay), so anyone can send one:
 each is signed by its sender's identity key (Ed25519), with a per-protocol magic and signing context, and checked
 in full before a field is used. Every frame starts with ``FRAME_MARK`` (0x0D): its two top bits are 0, and QUIC
-sets its fixed bit 0x40 in every packet, so the socket tells the two apart by the first byte (``p2p.udp_edge``).
+sets its fixed bit 0x40 in every packet, so the socket tells the two apart by the first byte (``p2p.nat.udp_edge``).
 Layout (big-endian)::
 
     magic 3 (FRAME_MARK + 2 letters) | version u8 = 1 | type u8 | pad_len u16 | sender Ed25519 key 32 | body
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, Self
 
 from experts.errors import RemoteProtocolError
-from p2p import frames
 from p2p.identity import Identity, IdentityError, PeerId
+from p2p.wire import frames
 
 Address = tuple[str, int]
 
@@ -57,7 +57,7 @@ class BadSignature(FrameError):
     """The signature does not verify against the sender key the frame names."""
 
 
-# --- field codecs (shared with p2p.holepunch) -----------------------------------------------------------------------
+# --- field codecs (shared with p2p.nat.holepunch) -----------------------------------------------------------------------
 
 
 def _trailing(field: str, detail: str) -> InvalidField:

@@ -10,7 +10,7 @@ Storage scheme
   * Lookup: walk GET_PROVIDERS towards this epoch's 4 shard keys, then per provider GET_VALUE its
     record from the provider itself, or else walk towards the record's key (replicas); every value
     goes through `decode_and_validate`, and the newest seq per peer wins.
-  * Reachability helpers (public nodes answering ``p2p.reachability`` probes) use the same scheme with
+  * Reachability helpers (public nodes answering ``p2p.nat.reachability`` probes) use the same scheme with
     one well-known slot: value ``records.helper_key(peer)`` -> its signed ``HelperRecord``, provider key
     sha256("moeswarm/helpers/v1", epoch, shard). A node has at most one helper record.
 
@@ -36,7 +36,7 @@ libp2p 0.8.1 defects (each measured here) and what this module does about them
     lookups with every connected peer: `ServerOnlyKadDHT` / `ServerOnlyPeerRouting` admit and ask
     only peers whose identify lists KAD.
   * Leaving ``host.run()`` closes no connection: ``host.close()`` in a finally.
-  * Importing libp2p detaches its ``libp2p`` logger: `p2p.dht_libp2p.reattach_libp2p_logger` hands it back to the
+  * Importing libp2p detaches its ``libp2p`` logger: `p2p.dht.libp2p_glue.reattach_libp2p_logger` hands it back to the
     root handler (shown at debug only, see `node.logs`).
   * Importing libp2p replaces aioquic's ``QuicStreamSender.get_frame`` process-wide: libp2p is
     imported only when a node starts, and the original method is put back (we use no libp2p QUIC),
@@ -61,12 +61,10 @@ import trio
 
 from experts.errors import UsageError
 from p2p.backoff import Backoff
-from p2p.dht_libp2p import libp2p_api
-from p2p.discovery import Announcer, DiscoveryError, Publication, live_hosts
-from p2p.identity import Identity, IdentityError, PeerId
-from p2p.ports import check_free
-from p2p.provisions import Provisions, View
-from p2p.records import (
+from p2p.dht.discovery import Announcer, DiscoveryError, Publication, live_hosts
+from p2p.dht.libp2p_glue import libp2p_api
+from p2p.dht.provisions import Provisions, View
+from p2p.dht.records import (
     MAX_CLOCK_SKEW,
     NAMESPACE,
     HelperRecord,
@@ -79,7 +77,9 @@ from p2p.records import (
     validate,
     value_key,
 )
-from p2p.trio_thread import TrioThread
+from p2p.dht.trio_thread import TrioThread
+from p2p.identity import Identity, IdentityError, PeerId
+from p2p.ports import check_free
 
 log = structlog.get_logger(__name__)
 
@@ -501,7 +501,7 @@ class _Node:
         return True
 
     async def _reprovide(self, just_published: set[str]) -> None:
-        """Provider entries of our live records whose neighbourhood moved (`p2p.provisions`), between refreshes."""
+        """Provider entries of our live records whose neighbourhood moved (`p2p.dht.provisions`), between refreshes."""
         held: list[HostRecord | HelperRecord] = [r for r in self.announcer.live(self.clock()) if r.key not in just_published]
         if self.helper is not None and self.helper.record.key not in just_published:
             held.append(self.helper.record)

@@ -23,13 +23,13 @@ from typing import Protocol
 import structlog
 
 from p2p.identity import PeerId
-from p2p.natwire import FRAME_MARK, Address
-from p2p.quic import Endpoint, is_ip
-from p2p.quic_events import Subscriber
+from p2p.nat.envelope import FRAME_MARK, Address
+from p2p.quic.endpoint import Endpoint, is_ip
+from p2p.quic.events import Subscriber
 
 __all__ = ["EndpointTap", "FrameHandler", "RelayLink", "RelayTap", "is_ip"]
 
-log = structlog.get_logger("p2p.udp_edge")
+log = structlog.get_logger("p2p.nat.udp_edge")
 
 FrameHandler = Callable[[bytes, Address], None]
 
@@ -97,7 +97,7 @@ class EndpointTap:
         return self.endpoint.close_path(peer, addr, reason)
 
     def subscribe(self, fn: Subscriber) -> None:
-        """Call ``fn`` as the endpoint's connections open and close (``p2p.quic_events``)."""
+        """Call ``fn`` as the endpoint's connections open and close (``p2p.quic.events``)."""
         self.endpoint.subscribe(fn)
 
     def unsubscribe(self, fn: Subscriber) -> None:

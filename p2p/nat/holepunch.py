@@ -2,14 +2,14 @@
 
 Theory of operation. Peers A and B already talk over a relayed QUIC connection. A (the initiator) sends a signed
 ``PunchRequest`` through the relay: a fresh 16-byte nonce, its NAT kind and observed addresses
-(``p2p.reachability``). B answers ``PunchAccept`` with its own kind and addresses and a delay; B starts punching
+(``p2p.nat.reachability``). B answers ``PunchAccept`` with its own kind and addresses and a delay; B starts punching
 ``delay`` after sending, A ``delay - rtt/2`` after receiving (rtt: its request-to-accept time through the relay),
 so both start at about the same moment. Each then sends a burst of small ``PathPacket`` PUNCHes from its QUIC
 socket to every address of the other. A's packets open A's NAT towards B's mapping and B's open B's towards A's;
 the first packets may die at the other NAT, the later ones pass. B echoes every punch it receives; the first punch
 A receives tells A a path exists, and from which address: A dials QUIC there (a new connection on the same socket;
 ``Dial``). The verified connection makes the path DIRECT on both sides (``connected``). No punch in time, a failed
-dial, or a ``PunchReject`` puts the peer back on the relay with a backoff (``p2p.paths``); a peer behind a
+dial, or a ``PunchReject`` puts the peer back on the relay with a backoff (``p2p.nat.paths``); a peer behind a
 symmetric NAT (either side) is skipped without sending anything, since its next port cannot be predicted.
 
 Both peers may start at once: the request from the lower peer id wins; the other drops its own request and
@@ -17,7 +17,7 @@ answers. Once DIRECT, both send a KEEPALIVE every ``keepalive_interval`` (under 
 unanswered flows) and answer each with KEEPALIVE_ACK (which makes the flow "established", ~120 s); after
 ``keepalive_misses`` unanswered ones the direct path is declared lost.
 
-Authentication. Coordination frames are signed (``p2p.natwire``; the relay vouches for the sender too, and the
+Authentication. Coordination frames are signed (``p2p.nat.envelope``; the relay vouches for the sender too, and the
 two must agree). Path packets are too frequent and too small to sign: they carry a session id (a hash of the
 nonce) and a 16-byte HMAC keyed by the nonce, which only the two peers (and the relay that carried it) know. A
 forged punch can at worst make A dial a wrong address, where QUIC's mutual authentication fails the attempt.
@@ -43,9 +43,8 @@ from typing import ClassVar, Self
 
 import structlog
 
-from p2p.frames import int_in, prefixed
 from p2p.identity import Identity, PeerId
-from p2p.natwire import (
+from p2p.nat.envelope import (
     NONCE_LEN,
     Address,
     FrameError,
@@ -58,9 +57,10 @@ from p2p.natwire import (
     encode_addrs,
     read_addrs,
 )
-from p2p.paths import Backoff, PathEvent, PathState, PathTable
+from p2p.nat.paths import Backoff, PathEvent, PathState, PathTable
+from p2p.nat.reachability import NatKind, Verdict
 from p2p.ratelimit import RateLimiter
-from p2p.reachability import NatKind, Verdict
+from p2p.wire.frames import int_in, prefixed
 
 MAGIC = b"\x0dHP"
 CONTEXT = b"moeswarm/holepunch/v1\n"
@@ -71,7 +71,7 @@ MAC_LEN = 16
 _PATH = struct.Struct(">3sBBB8sI")  # magic, version, kind, role, session id, seq
 PATH_LEN = _PATH.size + MAC_LEN
 
-log = structlog.get_logger("p2p.holepunch")
+log = structlog.get_logger("p2p.nat.holepunch")
 
 
 class PunchType(IntEnum):

@@ -1,6 +1,6 @@
-"""Wire protocol building blocks: error codes and exceptions, field checks, and the body reader (``p2p.frames``).
+"""Wire protocol building blocks: error codes and exceptions, field checks, and the body reader (``p2p.wire.frames``).
 
-Shared by every message type of :mod:`p2p.wire`; split out so the message definitions read on their own. Every
+Shared by every message type of :mod:`p2p.wire.messages`; split out so the message definitions read on their own. Every
 check raises a :class:`ProtocolError` subclass naming the field, so a peer's bad bytes become an error reply.
 """
 
@@ -11,7 +11,7 @@ from enum import IntEnum
 from typing import ClassVar, TypeVar
 
 from experts.errors import RemoteProtocolError
-from p2p.frames import Reader, exact_bytes, int_in
+from p2p.wire.frames import Reader, exact_bytes, int_in
 
 MAX_MESSAGE = 64 * 1024 * 1024  # header included
 

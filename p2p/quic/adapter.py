@@ -1,8 +1,8 @@
-"""The aioquic 1.7.2 adapter under :mod:`p2p.quic`: a ``QuicConnection`` that authenticates both sides and
+"""The aioquic 1.7.2 adapter under :mod:`p2p.quic.endpoint`: a ``QuicConnection`` that authenticates both sides and
 bounds what a peer can make it buffer, plus the import-time checks of the private hooks this needs.
 
 Kept apart from the endpoint so every reliance on aioquic internals sits in one short file (see the pitfalls in
-:mod:`p2p.quic`'s docstring and docs/FIELD-NOTES.md): the server's client-certificate switch, the unpatched
+:mod:`p2p.quic.endpoint`'s docstring and docs/FIELD-NOTES.md): the server's client-certificate switch, the unpatched
 ``QuicStreamSender.get_frame`` (libp2p replaces it process-wide), the stream-window cap, the peer's certificates
 and the connection's pending close.
 """
@@ -49,7 +49,7 @@ def _check_aioquic_internals() -> None:
     wanted = ("_request_client_certificate", "_peer_certificate", "_peer_certificate_chain")
     missing += [name for name in wanted if name not in names]
     if missing:
-        raise ImportError(f"aioquic {aioquic.__version__} lacks {missing}; p2p.quic needs aioquic 1.7.2")
+        raise ImportError(f"aioquic {aioquic.__version__} lacks {missing}; p2p.quic.endpoint needs aioquic 1.7.2")
 
 
 _check_aioquic_internals()

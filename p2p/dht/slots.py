@@ -15,7 +15,7 @@ Theory of operation
   * a refresh (the same peer again) only renews its entry.
 
   Eclipsing a key then takes ``capacity / per_group`` networks, not ``capacity`` key pairs. The lookup side
-  (``p2p.vetting``) adds what a store cannot know: whether a host answers, and whether it served well.
+  (``p2p.dht.vetting``) adds what a store cannot know: whether a host answers, and whether it served well.
 
 Loopback: every peer on 127.0.0.0/8 or ::1 is its own network (group ``lo/<peer id>``). All loopback dials come
 from 127.0.0.1, and tests run whole swarms there; a real attacker cannot connect from our loopback.

@@ -1,6 +1,6 @@
 """Discovery: which peers host a (model, layer) right now, behind one narrow interface.
 
-`Discovery` is what workers and the backbone use; the libp2p Kademlia backend (`p2p.dht`) and the
+`Discovery` is what workers and the backbone use; the libp2p Kademlia backend (`p2p.dht.kademlia`) and the
 in-memory one below implement it, so the backend can change without touching callers. Workers
 `announce()` the slices they host (the backend signs, publishes and refreshes the records);
 the backbone `lookup()`s hosts, through `CachedDiscovery` so dispatch rarely waits on the network.
@@ -21,9 +21,7 @@ from typing import Generic, Protocol, TypeVar
 import structlog
 
 from experts.errors import MoeSwarmError
-from p2p.identity import Identity, PeerId
-from p2p.lograte_edge import ThrottledLog
-from p2p.records import (
+from p2p.dht.records import (
     MAX_LIFETIME,
     HelperRecord,
     HostedSlice,
@@ -35,6 +33,8 @@ from p2p.records import (
     select_best,
     value_key,
 )
+from p2p.identity import Identity, PeerId
+from p2p.lograte_edge import ThrottledLog
 
 log = structlog.get_logger(__name__)
 peer_log = ThrottledLog(log)  # records anyone can sign and publish: a few lines per interval, then a count

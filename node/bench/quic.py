@@ -2,11 +2,11 @@
 
 Compares the two ways to carry messages over a connection:
 
-- ``stream``: what ``p2p.quic.Endpoint`` does, one bidirectional stream per request, its end delimiting the message;
+- ``stream``: what ``p2p.quic.endpoint.Endpoint`` does, one bidirectional stream per request, its end delimiting the message;
 - ``framed``: one persistent stream per connection, each message prefixed with its 4-byte length (a variant that
   exists only here, for sequential requests: replies are matched to requests by order).
 
-Usage: ``python -m p2p.bench_quic [--requests 300] [--sizes 6144,12288] [--datagrams 1200,1452,16384]``.
+Usage: ``python -m node.bench.quic [--requests 300] [--sizes 6144,12288] [--datagrams 1200,1452,16384]``.
 Prints the median and 90th-percentile round trip and the CPU time per request of the client and of the server process
 (steadier than wall time on a busy machine: CPU per round trip is what a transport change moves), per mode, datagram
 size and message size. The server's is read from ``/proc`` (Linux; clock ticks, so run a few hundred requests).
@@ -31,8 +31,8 @@ from aioquic.quic import events
 from aioquic.quic.connection import stream_is_client_initiated
 
 from p2p.identity import Identity, PeerId
-from p2p.quic import Endpoint
-from p2p.quic_conn import Conn
+from p2p.quic.conn import Conn
+from p2p.quic.endpoint import Endpoint
 
 LOOPBACK = "127.0.0.1"
 _LENGTH = 4
@@ -130,7 +130,7 @@ async def measure(
 
 def _spawn_server(mode: str, datagram: int) -> tuple[subprocess.Popen[str], int, PeerId]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "p2p.bench_quic", "--serve", mode, "--datagrams", str(datagram)],
+        [sys.executable, "-m", "node.bench.quic", "--serve", mode, "--datagrams", str(datagram)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -132,8 +132,7 @@ from typing import ClassVar, Self
 
 from experts.codecs import Codec  # one enum for the codecs and the wire's codec byte
 
-from .frames import Reader
-from .wire_fields import (
+from .fields import (
     MAX_MESSAGE,
     BadCodec,
     ErrorCode,
@@ -152,6 +151,7 @@ from .wire_fields import (
     set_frozen,
     sized,
 )  # fmt: skip
+from .frames import Reader
 
 __all__ = [
     "DIGEST_LEN", "DISPATCH_ID_LEN", "HEADER_LEN", "MAGIC", "MAX_ERROR_TEXT", "MAX_MESSAGE", "MAX_MODELS",

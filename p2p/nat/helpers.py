@@ -1,4 +1,4 @@
-"""Finding reachability helpers: the public nodes that answer ``p2p.reachability`` probes, as the DHT lists them.
+"""Finding reachability helpers: the public nodes that answer ``p2p.nat.reachability`` probes, as the DHT lists them.
 
 Why the DHT, with a record of its own (``records.HelperRecord``). A node needs at least three helpers at different
 IPs: two observers (one mapping seen from two IPs tells cone from symmetric) and a third that the dial-back server
@@ -23,15 +23,15 @@ from typing import Protocol
 
 import structlog
 
+from p2p.dht.records import HelperRecord
 from p2p.identity import Identity, PeerId
-from p2p.nat import NatTraversal
-from p2p.natwire import Address
-from p2p.quic import Endpoint
-from p2p.reachability import ReachabilityConfig, Verdict
-from p2p.records import HelperRecord
-from p2p.udp_edge import is_ip
+from p2p.nat.envelope import Address
+from p2p.nat.reachability import ReachabilityConfig, Verdict
+from p2p.nat.traversal import NatTraversal
+from p2p.nat.udp_edge import is_ip
+from p2p.quic.endpoint import Endpoint
 
-log = structlog.get_logger("p2p.helpers")
+log = structlog.get_logger("p2p.nat.helpers")
 
 ENOUGH = 3  # two observers and a dial-back helper, at three IPs
 

@@ -14,9 +14,9 @@ from typing import Any
 import structlog
 import trio
 
-from p2p.discovery import DiscoveryClosed, DiscoveryError
+from p2p.dht.discovery import DiscoveryClosed, DiscoveryError
 
-log = structlog.get_logger("p2p.dht")
+log = structlog.get_logger("p2p.dht.kademlia")
 
 
 class TrioThread:

@@ -1,0 +1,1 @@
+"""Discovery: signed host records, the Kademlia DHT over py-libp2p, and which announced hosts a backbone uses."""

@@ -1,0 +1,1 @@
+"""NAT traversal: reachability on the QUIC socket, UDP hole punching through the relay, the path kept per peer."""

@@ -1,0 +1,1 @@
+"""The dispatch wire protocol: its messages, field checks and the one bounds-checked frame reader."""
