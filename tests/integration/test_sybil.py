@@ -1,8 +1,9 @@
 """An eclipse attempt with 80 sybil identities, as real processes: a late honest worker is still found and used.
 
-Two networks meet on one veth: the sybils' namespace is 10.213.N.2 in 10.213.N.0/24 (one process, as identities
-generated on one rented server would be), the honest nodes' DHT sockets are on 10.214.N.1 (another /24) in this
-namespace; QUIC stays on loopback. The sybils announce into the bootstrap's and an early worker's provider stores,
+Three networks meet on one veth: the sybils' namespace is 10.213.N.2 in 10.213.N.0/24 (one process, as identities
+generated on one rented server would be); in this namespace the bootstrap's, the early worker's and the backbone's DHT
+sockets are on 10.214.N.1 and the late worker's on 10.215.N.1 (two more /24s, so the provider store files each honest
+host under a network of its own, not under loopback's exemption); QUIC stays on loopback. The sybils announce into the bootstrap's and an early worker's provider stores,
 the two DHT servers, before a NAT-bound worker (a DHT client reachable through a relay, which therefore holds no
 provider entry of its own) joins. Needs root (CI runs the integration tier as root); skipped otherwise.
 """
@@ -45,8 +46,9 @@ def ip(*args: str) -> None:
 
 
 @pytest.fixture
-def networks() -> Iterator[tuple[str, str, str]]:
-    """A namespace joined to this one by a veth: (its name, its address, the honest nodes' address in another /24)."""
+def networks() -> Iterator[tuple[str, str, str, str]]:
+    """A namespace joined to this one by a veth: (its name, its address, and two honest addresses, each in a /24 of its
+    own: the servers and the early worker in one, the late worker in the other)."""
     tag, n = f"{os.getpid() % 100000}", os.getpid() % 250
     ns, here, there = f"msw-syb{tag}", f"msw-h{tag}", f"msw-s{tag}"
     ip("netns", "add", ns)
@@ -55,12 +57,14 @@ def networks() -> Iterator[tuple[str, str, str]]:
         ip("link", "set", there, "netns", ns)
         ip("addr", "add", f"10.213.{n}.1/24", "dev", here)
         ip("addr", "add", f"10.214.{n}.1/24", "dev", here)
+        ip("addr", "add", f"10.215.{n}.1/24", "dev", here)
         ip("link", "set", here, "up")
         ip("-n", ns, "addr", "add", f"10.213.{n}.2/24", "dev", there)
         ip("-n", ns, "link", "set", there, "up")
         ip("-n", ns, "link", "set", "lo", "up")
-        ip("-n", ns, "route", "add", f"10.214.{n}.0/24", "via", f"10.213.{n}.1")
-        yield ns, f"10.213.{n}.2", f"10.214.{n}.1"
+        for net in (214, 215):
+            ip("-n", ns, "route", "add", f"10.{net}.{n}.0/24", "via", f"10.213.{n}.1")
+        yield ns, f"10.213.{n}.2", f"10.214.{n}.1", f"10.215.{n}.1"
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)  # takes the veth pair with it
         subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=10)  # only if it never moved
@@ -76,7 +80,7 @@ def test_a_late_honest_worker_is_found_and_used_despite_eighty_sybils(tmp_path, 
     """80 sybils from one /24 announce every expert of every layer into both DHT servers before a NAT-bound honest
     worker joins; the servers keep only that network's share of each provider key, the backbone pings the hosts it
     found, and every dispatch goes to the honest workers: the tokens equal the local run."""
-    ns, sybil_ip, honest_ip = networks
+    ns, sybil_ip, honest_ip, late_ip = networks
     model = GGUFModel(EMBEDDED_MODEL)
     n_expert, half = model.cfg.n_expert, model.cfg.n_expert // 2
     dht = ("--dht-listen", f"{honest_ip}:0")
@@ -93,7 +97,7 @@ def test_a_late_honest_worker_is_found_and_used_despite_eighty_sybils(tmp_path, 
             prefix=["ip", "netns", "exec", ns], module="tests.doubles.sybils", env={"PYTHONPATH": REPO},
         ).wait_ready(timeout=300)
         assert len(set(sybils["peer_ids"])) == N_SYBILS
-        late = cluster.start("late", "worker", "--model", str(model.path), "--experts", f"{half}-{n_expert - 1}", "--bootstrap", boot_addr, *dht, "--relay", url, "--relay-only").wait_ready()
+        late = cluster.start("late", "worker", "--model", str(model.path), "--experts", f"{half}-{n_expert - 1}", "--bootstrap", boot_addr, "--dht-listen", f"{late_ip}:0", "--relay", url, "--relay-only").wait_ready()
         run = moeswarm(
             "--log-level", "info", "backbone", "generate", "--model", str(model.path), "--bootstrap", boot_addr, *dht, "--tokens", str(N_TOKENS),
             "--wait-hosts", "2", "--timeout", "2", "--no-speculative", "--json", "--data-dir", str(tmp_path / "backbone"), PROMPT, timeout=300,
