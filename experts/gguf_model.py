@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -23,6 +22,7 @@ from .archs import arch_spec
 from .archs.gdn import GatedDeltaNet, ssm_in_shape
 from .archs.keys import Keys
 from .archs.keys import field as _field
+from .atomic import write_atomic
 from .config import ModelConfig, TokenizerSpec
 from .errors import ModelFormatError, SliceError
 from .model_writer import expected_shapes
@@ -385,9 +385,7 @@ def _manifest_entries(model: GGUFModel) -> dict[str, tuple[str, list[str]]]:
         shape = "x".join(str(x) for x in model.shape(name))
         entries.append((name, f"{name}|{t.tensor_type.name}|{shape}|{h}", leaves))
     try:
-        tmp = cache.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "entries": entries}))
-        os.replace(tmp, cache)
+        write_atomic(cache, json.dumps({"key": key, "entries": entries}))
     except OSError:
         pass  # a read-only model directory only costs recomputation
     return {name: (line, lv) for name, line, lv in entries}

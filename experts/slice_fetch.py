@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from .atomic import write_atomic
 from .config import ModelConfig
 from .errors import SliceError
 from .gguf_model import ExpertRange, config_from_line, expert_tensor_names, model_digest
@@ -208,18 +208,10 @@ class Staging:
 
     def write(self, item: ExpertRows, data: bytes) -> None:
         """Atomic by rename, not fsynced: a killed process loses nothing written, and after a power cut a torn file
-        fails its hash on resume (:meth:`verified`) and is fetched again.
-
-        Each write has its own temporary name: files are named by content, and two items with the same bytes (two
-        equal norm tensors) are one file that two lanes may write at once."""
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f"{item.leaf[:16]}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path(item.leaf))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        fails its hash on resume (:meth:`verified`) and is fetched again. Files are named by content, so two items
+        with the same bytes (two equal norm tensors) are one file that two lanes may write at once: hence
+        :func:`write_atomic`, whose every writer has a temporary name of its own."""
+        write_atomic(self.path(item.leaf), data)
 
     def read(self, leaf: str, nbytes: int) -> np.ndarray:
         data = np.fromfile(self.path(leaf), dtype=np.uint8)

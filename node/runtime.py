@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 from pathlib import Path
 
+from experts.atomic import write_atomic
 from experts.errors import UsageError
 from experts.home import moeswarm_home
 from p2p.identity import Identity
@@ -27,9 +27,7 @@ def write_ready(path: str | None, info: dict) -> None:
     """Atomically publish how to reach this node (for launchers and tests waiting on it)."""
     if not path:
         return
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(info))
 
 
 def parse_hostport(text: str) -> tuple[str, int]:

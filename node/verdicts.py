@@ -8,10 +8,10 @@ the dispatcher a codec that is already allowed.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
+from experts.atomic import write_atomic
 from experts.codecs import Codec
 from experts.errors import CodecError
 from experts.home import moeswarm_home
@@ -34,9 +34,7 @@ def record_verdict(digest: str, codec: Codec, verdict: str) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     data = _load()
     data.setdefault(digest, {})[codec.name.lower()] = {"verdict": verdict, "at": int(time.time())}
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, p)
+    write_atomic(p, json.dumps(data, indent=1, sort_keys=True))
 
 
 def is_verified(digest: str, codec: Codec) -> bool:

@@ -3,9 +3,9 @@
 Three networks meet on one veth: the sybils' namespace is 10.213.N.2 in 10.213.N.0/24 (one process, as identities
 generated on one rented server would be); in this namespace the bootstrap's, the early worker's and the backbone's DHT
 sockets are on 10.214.N.1 and the late worker's on 10.215.N.1 (two more /24s, so the provider store files each honest
-host under a network of its own, not under loopback's exemption); QUIC stays on loopback. The sybils announce into the bootstrap's and an early worker's provider stores,
-the two DHT servers, before a NAT-bound worker (a DHT client reachable through a relay, which therefore holds no
-provider entry of its own) joins. Needs root (CI runs the integration tier as root); skipped otherwise.
+host under a network of its own, not under loopback's exemption); QUIC stays on loopback. The sybils announce into
+the bootstrap's and an early worker's provider stores, the two DHT servers, before a NAT-bound worker (a DHT client
+reachable through a relay, which therefore holds no provider entry of its own) joins. Needs root (CI runs the integration tier as root); skipped otherwise.
 """
 
 from __future__ import annotations
