@@ -14,7 +14,7 @@ from experts.forward import Backbone, MoeFfn, local_moe
 from experts.generate import generate
 from experts.gguf_model import GGUFModel
 from experts.kernels import make_kernel
-from experts.moe import ungrouped_moe
+from experts.moe import Partition, grouped_moe, ungrouped_moe
 from experts.slices import ExpertStore
 from experts.stage_forward import StageChain, StagedBackbone, StageLink
 from node.launcher import NodeProcess
@@ -109,3 +109,25 @@ def test_two_stage_processes_give_the_local_tokens_and_survive_a_sigkill(full, t
         assert got == want
         assert started and chain.replays == 1
         assert "stage.ready" in (tmp_path / "stage2b.log").read_text()
+
+
+def test_stages_whose_experts_come_from_worker_processes_give_the_grouped_local_tokens(full, tmp_path):
+    """Each stage dispatches its MoE layers to two real workers (experts 0-3 and 4-7) and computes none itself
+    (--remote-experts-only): the tokens equal one process summing the same two groups in protocol order."""
+    part = Partition.even(full.cfg.n_expert, 2)
+    store = ExpertStore(full)
+    hook: MoeFfn = local_moe(lambda i, x, e, w: grouped_moe(store, part, i, x, e, w))
+    want = [t for t, _ in generate(Backbone(full, make_kernel("reference", 1)), PROMPT, N_TOKENS, hook)]
+    assert len(set(want)) > 1
+    with Swarm(tmp_path) as swarm:
+        boot = swarm.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
+        workers = [
+            swarm.start(f"worker{g}", "worker", "--model", str(full.path), "--experts", f"{a}-{b - 1}", "--bootstrap", boot, "--kernel", "reference", "--threads", "1", "--max-datagram", LOOPBACK_DATAGRAM, "--no-ledger")
+            for g, (a, b) in enumerate(part.bounds)
+        ]
+        for w in workers:
+            w.wait_ready()
+        remote = ("--experts", "remote", "--remote-experts-only", "--bootstrap", boot, "--wait-hosts", "2", "--spot-check", "0")
+        stages = [stage(swarm, "stage1", full, "0-1", *remote), stage(swarm, "stage2", full, "2-3", *remote)]
+        got, chain = run_client(full, [s.wait_ready(90) for s in stages])
+        assert got == want and chain.replays == 0
