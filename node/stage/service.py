@@ -22,6 +22,7 @@ import structlog
 
 from experts.forward import MoeFfn
 from experts.stage_forward import BadPass, StageGap, StageRunner
+from node.worker.service import ComputeFailed, NotHosted, UnknownModel  # the worker's refusals, the same codes
 from p2p.identity import PeerId
 from p2p.lograte_edge import ThrottledLog
 from p2p.wire import messages as wire
@@ -29,14 +30,6 @@ from p2p.wire import messages as wire
 from .rows import rows_bytes, rows_of
 
 log = structlog.get_logger("node.stage.service")
-
-
-class UnknownModel(wire.ProtocolError):
-    error_code = wire.ErrorCode.UNKNOWN_MODEL
-
-
-class OtherLayers(wire.ProtocolError):
-    error_code = wire.ErrorCode.NOT_HOSTED
 
 
 class Gap(wire.ProtocolError):
@@ -47,10 +40,6 @@ class Gap(wire.ProtocolError):
     def __init__(self, gap: StageGap) -> None:
         super().__init__("start", str(gap))
         self.held = gap.held
-
-
-class ComputeFailed(wire.ProtocolError):
-    error_code = wire.ErrorCode.INTERNAL
 
 
 class StageService:
@@ -88,7 +77,7 @@ class StageService:
         if msg.model_id != self.model_id:
             raise UnknownModel("model_id", f"this stage serves model {self.runner.model.digest[:16]}..., not {msg.model_id.hex()[:16]}...")
         if msg.layers != self.layers:
-            raise OtherLayers("layers", f"this stage runs layers {self.layers[0]}-{self.layers[1] - 1}, not {msg.layers[0]}-{msg.layers[1] - 1}")
+            raise NotHosted("layers", f"this stage runs layers {self.layers[0]}-{self.layers[1] - 1}, not {msg.layers[0]}-{msg.layers[1] - 1}")
         t0 = time.perf_counter()
         x = rows_of(msg)
         loop = asyncio.get_running_loop()
