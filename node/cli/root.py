@@ -83,6 +83,7 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
         "model": "node.cli.model:model_group",
         "relay": "node.cli.relay:relay_cmd",
         "slice": "node.cli.model:slice_cmd",
+        "stage": "node.cli.stage:stage_cmd",
         "status": "node.cli.status:status_cmd",
         "testbed": "node.cli.testbed:testbed_group",
         "verify": "node.cli.model:verify_cmd",

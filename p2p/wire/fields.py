@@ -28,6 +28,7 @@ class ErrorCode(IntEnum):
     OVERLOADED = 7
     INTERNAL = 8
     DRAINING = 9  # the worker is shutting down: it withdrew its records; ask another replica
+    STAGE_GAP = 10  # a stage pass starts after the positions the stage holds; the ErrorReply's ``held`` says where
 
 
 class ProtocolError(RemoteProtocolError):

@@ -58,10 +58,12 @@ already gives::
 
     ERROR_REPLY (5)
     size         field           value
-    16           dispatch_id     all zero when the request's id is unknown
+    16           dispatch_id     all zero when the request's id is unknown; a StagePass's session for a stage's refusal
     1            code            u8; ErrorCode
     2            message_len     u16; <= MAX_ERROR_TEXT
     message_len  message         UTF-8
+    4            held            u32; only when code is STAGE_GAP: the positions the stage holds for the session,
+                                 where the client's replay starts (a structured field, never parsed from the text)
 
     PING (6), PONG (7): a Pong echoes its Ping, so the pinger needs no state to measure the round trip
     size  field       value
@@ -112,12 +114,31 @@ already gives::
                                  signed for it (a subset of the request's ids, in its order: the rest are not signed)
     64           signature       Ed25519 over node.ledger.receipts.batch_message(root of the leaves)
 
+    STAGE_PASS (15): hidden states for a stage (node.stage): the residual stream entering its first layer
+    16           session         the client's session; the stage keeps one KV cache per session
+    16           model_id        ``model_id_of`` the model's digest
+    2+2          layers          u16 start, u16 stop (half-open): the layers the client expects the stage to run
+    4            start           u32; position of the first row (before what the stage holds: its KV rolls back)
+    2            n_rows          u16; 1..MAX_TOKENS
+    4            width           u32; 1..MAX_STAGE_WIDTH, the model's n_embd
+    rest         rows            f32 little-endian, row-major, exactly 4*n_rows*width bytes
+
+    STAGE_REPLY (16): the residual stream after the stage's last layer, one row per row passed; a refusal is an
+    ERROR_REPLY (a gap: STAGE_GAP with ``held``)
+    16           session
+    2            n_rows          u16; 1..MAX_TOKENS
+    4            width           u32; 1..MAX_STAGE_WIDTH
+    4            compute_us      u32; the stage's compute time
+    rest         rows            f32 little-endian, exactly 4*n_rows*width bytes
+
+    Stage rows are f32 and never codec-encoded: a chain of stages must give the bits of a local run.
+
 A type this module does not know decodes to ``Unknown`` (flags and body kept), never an error: the receiver decides.
 Hello and HelloAck are framed as version 1 forever, so peers of any version can negotiate; every other message uses
 the negotiated version. In every version a DispatchRequest body starts with its dispatch id (``peek_dispatch_id``).
 
 Limits: MAX_MESSAGE 64 MiB (header included), MAX_TOKENS 4096, MAX_TOP_K 64, MAX_ERROR_TEXT 1024 bytes, MAX_RECEIPT
-4096 bytes, MAX_MODELS 64, MAX_PIECE 4 MiB, MAX_RECEIPT_BATCH 256. They are checked before anything is sliced or allocated. Every
+4096 bytes, MAX_MODELS 64, MAX_PIECE 4 MiB, MAX_RECEIPT_BATCH 256, MAX_STAGE_WIDTH 65536. They are checked before anything is sliced or allocated. Every
 violation raises a ``ProtocolError`` subclass that names the field and carries the ``ErrorCode`` to answer it with
 (``error_reply_for``); ``peek_dispatch_id`` finds the id to put in that reply even in a request that did not decode.
 """
@@ -155,10 +176,10 @@ from .frames import Reader
 
 __all__ = [
     "DIGEST_LEN", "DISPATCH_ID_LEN", "HEADER_LEN", "MAGIC", "MAX_ERROR_TEXT", "MAX_MESSAGE", "MAX_MODELS",
-    "MAX_RECEIPT", "MAX_RECEIPT_BATCH", "MAX_TOKENS", "MAX_TOP_K", "MODEL_ID_LEN", "SUPPORTED_VERSIONS", "VERSION", "ZERO_ID", "BadCodec",
+    "MAX_RECEIPT", "MAX_RECEIPT_BATCH", "MAX_STAGE_WIDTH", "MAX_TOKENS", "MAX_TOP_K", "MODEL_ID_LEN", "SUPPORTED_VERSIONS", "VERSION", "ZERO_ID", "BadCodec",
     "Codec", "DispatchReply", "DispatchRequest", "ErrorCode", "ErrorReply", "Header", "Hello", "HelloAck",
     "InvalidField", "LedgerHead", "Message", "MsgType", "Ping", "Pong", "ProtocolError", "ReceiptBatch", "ReceiptSignRequest",
-    "Role", "TooLarge", "Truncated",
+    "Role", "StagePass", "StageReply", "TooLarge", "Truncated",
     "Unknown", "UnsupportedVersion", "decode", "decode_header", "error_reply_for", "model_id_of", "negotiate",
     "peek_dispatch_id",
 ]
@@ -183,6 +204,7 @@ MAX_MODELS = 64
 MAX_PIECE = 4 << 20  # bytes of one expert a Piece carries; a larger expert is fetched in several ranges
 MAX_TENSOR_NAME = 255  # ASCII bytes
 LEAF_LEN = 64  # a per-expert sha256, hex
+MAX_STAGE_WIDTH = 1 << 16  # n_embd of a stage pass's rows (the largest models today use 7168-16384)
 _HEX = frozenset("0123456789abcdef")
 
 _HEADER = struct.Struct("<3sBBHI")
@@ -205,6 +227,8 @@ class MsgType(IntEnum):
     PIECE = 12
     RECEIPT_SIGN_REQUEST = 13
     RECEIPT_BATCH = 14
+    STAGE_PASS = 15
+    STAGE_REPLY = 16
 
 
 class Role(IntEnum):
@@ -430,6 +454,7 @@ class ErrorReply(_Message):
     dispatch_id: bytes
     code: ErrorCode
     message: str
+    held: int = 0  # STAGE_GAP only (on the wire only then): the positions the stage holds, where a replay starts
 
     def __post_init__(self) -> None:
         set_frozen(self, "dispatch_id", bytes_field("dispatch_id", self.dispatch_id, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
@@ -440,13 +465,17 @@ class ErrorReply(_Message):
             count_field("message", len(self.message.encode()), 0, MAX_ERROR_TEXT)
         except UnicodeEncodeError:
             raise InvalidField("message", "is not encodable as UTF-8") from None
+        int_field("held", self.held, 0, 0xFFFFFFFF)
+        if self.held and self.code is not ErrorCode.STAGE_GAP:
+            raise InvalidField("held", f"only a STAGE_GAP reply carries held, not {self.code.name}")
 
     def _body_parts(self) -> tuple[bytes, ...]:
         text = self.message.encode()
-        return self.dispatch_id, struct.pack("<BH", self.code, len(text)), text
+        held = struct.pack("<I", self.held) if self.code is ErrorCode.STAGE_GAP else b""
+        return self.dispatch_id, struct.pack("<BH", self.code, len(text)), text, held
 
     def _body_len(self) -> int:
-        return DISPATCH_ID_LEN + 3 + len(self.message.encode())
+        return DISPATCH_ID_LEN + 3 + len(self.message.encode()) + 4 * (self.code is ErrorCode.STAGE_GAP)
 
     @classmethod
     def _decode(cls, r: Reader) -> Self:
@@ -456,7 +485,7 @@ class ErrorReply(_Message):
             message = sized(r, 2, 0, MAX_ERROR_TEXT, "message").decode()
         except UnicodeDecodeError:
             raise InvalidField("message", "is not valid UTF-8") from None
-        return cls(dispatch_id, code, message)
+        return cls(dispatch_id, code, message, r.u32("held") if code is ErrorCode.STAGE_GAP else 0)
 
 
 @dataclass(frozen=True)
@@ -753,6 +782,101 @@ class ReceiptBatch(_Message):
         return cls(tuple(i for i, _ in pairs), tuple(v for _, v in pairs), r.take(SIGNATURE_LEN, "signature"))
 
 
+def _rows_len(n_rows: object, width: object) -> int:
+    """Bytes of n_rows x width f32 rows, both counts checked first (so a decoder allocates nothing for bad ones)."""
+    return 4 * count_field("n_rows", n_rows, 1, MAX_TOKENS) * count_field("width", width, 1, MAX_STAGE_WIDTH)
+
+
+def _rows(field: str, rows: object, n_rows: object, width: object) -> bytes:
+    size = _rows_len(n_rows, width)
+    data = bytes_field(field, rows, 1, MAX_MESSAGE)
+    if len(data) != size:
+        raise InvalidField(field, f"{len(data)} bytes for {n_rows} rows of {width} f32 ({size} bytes)")
+    return data
+
+
+def _take_rows(r: Reader, n_rows: int, width: int) -> bytes:
+    size = _rows_len(n_rows, width)
+    if r.left != size:
+        raise InvalidField("rows", f"{r.left} bytes for {n_rows} rows of {width} f32 ({size} bytes)")
+    return r.take(size, "rows")
+
+
+@dataclass(frozen=True)
+class StagePass(_Message):
+    """Rows of the residual stream for a stage's layers at positions ``start ..`` of a session (node.stage).
+
+    The rows are opaque f32 bytes here, as hidden states are for dispatches; ``layers`` lets a stage refuse a client
+    that expects other layers (NOT_HOSTED) instead of returning states of the wrong depth.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.STAGE_PASS
+
+    session: bytes
+    model_id: bytes
+    layers: tuple[int, int]  # half-open
+    start: int
+    n_rows: int
+    width: int
+    rows: bytes  # last on the wire: the rest of the body
+
+    def __post_init__(self) -> None:
+        set_frozen(self, "session", bytes_field("session", self.session, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
+        set_frozen(self, "model_id", bytes_field("model_id", self.model_id, MODEL_ID_LEN, MODEL_ID_LEN))
+        start, stop = self.layers
+        set_frozen(self, "layers", (int_field("layers", start, 0, 0xFFFF), int_field("layers", stop, 0, 0xFFFF)))
+        if not start < stop:
+            raise InvalidField("layers", f"range {start}-{stop} is empty")
+        int_field("start", self.start, 0, 0xFFFFFFFF)
+        set_frozen(self, "rows", _rows("rows", self.rows, self.n_rows, self.width))
+        _check_total(self)
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        fixed = struct.pack("<HHIHI", *self.layers, self.start, self.n_rows, self.width)
+        return self.session, self.model_id, fixed, self.rows
+
+    def _body_len(self) -> int:
+        return DISPATCH_ID_LEN + MODEL_ID_LEN + 14 + len(self.rows)
+
+    @classmethod
+    def _decode(cls, r: Reader) -> Self:
+        session, model_id = r.take(DISPATCH_ID_LEN, "session"), r.take(MODEL_ID_LEN, "model_id")
+        layers = (r.u16("layers"), r.u16("layers"))
+        start, n_rows, width = r.u32("start"), r.u16("n_rows"), r.u32("width")
+        return cls(session, model_id, layers, start, n_rows, width, _take_rows(r, n_rows, width))
+
+
+@dataclass(frozen=True)
+class StageReply(_Message):
+    """A stage's answer to a StagePass: the residual stream after its last layer, one row per row passed."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STAGE_REPLY
+
+    session: bytes
+    n_rows: int
+    width: int
+    rows: bytes  # last on the wire: the rest of the body
+    compute_us: int = 0
+
+    def __post_init__(self) -> None:
+        set_frozen(self, "session", bytes_field("session", self.session, DISPATCH_ID_LEN, DISPATCH_ID_LEN))
+        int_field("compute_us", self.compute_us, 0, 0xFFFFFFFF)
+        set_frozen(self, "rows", _rows("rows", self.rows, self.n_rows, self.width))
+        _check_total(self)
+
+    def _body_parts(self) -> tuple[bytes, ...]:
+        return self.session, struct.pack("<HII", self.n_rows, self.width, self.compute_us), self.rows
+
+    def _body_len(self) -> int:
+        return DISPATCH_ID_LEN + 10 + len(self.rows)
+
+    @classmethod
+    def _decode(cls, r: Reader) -> Self:
+        session = r.take(DISPATCH_ID_LEN, "session")
+        n_rows, width, compute_us = r.u16("n_rows"), r.u32("width"), r.u32("compute_us")
+        return cls(session, n_rows, width, _take_rows(r, n_rows, width), compute_us)
+
+
 @dataclass(frozen=True)
 class Unknown(_Message):
     """A message of a type this side does not know, kept whole so the caller can ignore, log or refuse it."""
@@ -779,10 +903,10 @@ class Unknown(_Message):
         return len(self.body)
 
 
-_Known = Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead | SliceInfoRequest | SliceInfo | PieceRequest | Piece | ReceiptSignRequest | ReceiptBatch
+_Known = Hello | HelloAck | DispatchRequest | DispatchReply | ErrorReply | Ping | Pong | LedgerHead | SliceInfoRequest | SliceInfo | PieceRequest | Piece | ReceiptSignRequest | ReceiptBatch | StagePass | StageReply
 Message = _Known | Unknown
 
-_KNOWN = (Hello, HelloAck, DispatchRequest, DispatchReply, ErrorReply, Ping, Pong, LedgerHead, SliceInfoRequest, SliceInfo, PieceRequest, Piece, ReceiptSignRequest, ReceiptBatch)
+_KNOWN = (Hello, HelloAck, DispatchRequest, DispatchReply, ErrorReply, Ping, Pong, LedgerHead, SliceInfoRequest, SliceInfo, PieceRequest, Piece, ReceiptSignRequest, ReceiptBatch, StagePass, StageReply)
 _TYPES: dict[int, type[_Known]] = {
     cls.TYPE: cls for cls in _KNOWN
 }
@@ -865,14 +989,16 @@ def error_reply_for(exc: BaseException, dispatch_id: bytes = ZERO_ID) -> ErrorRe
 
     An exception with an ``ErrorCode`` in ``error_code`` (every ProtocolError; worker errors such as an unknown model
     may carry one too) is answered with that code and its text, clipped to MAX_ERROR_TEXT. Anything else is INTERNAL
-    and only its class name is sent: an unexpected failure's text may reveal local details.
+    and only its class name is sent: an unexpected failure's text may reveal local details. A STAGE_GAP exception
+    gives its ``held`` too.
     """
     code = getattr(exc, "error_code", None)
     if isinstance(code, ErrorCode):
         text = str(exc).encode(errors="replace")[:MAX_ERROR_TEXT].decode(errors="ignore")  # drops a cut character
     else:
         code, text = ErrorCode.INTERNAL, f"internal error ({type(exc).__name__})"
-    return ErrorReply(dispatch_id, code, text)
+    held = getattr(exc, "held", 0) if code is ErrorCode.STAGE_GAP else 0
+    return ErrorReply(dispatch_id, code, text, held if isinstance(held, int) else 0)
 
 
 def negotiate(ours: Hello | HelloAck, theirs: Hello | HelloAck) -> tuple[int, tuple[int, ...]]:

@@ -146,6 +146,22 @@ SNAPSHOTS = [
         "4d5357 01 0e 0000 72000000" "0100" + "01" * 16 + "0a" * 32 + "5e" * 64,
         id="receipt_batch",
     ),
+    pytest.param(
+        wire.StagePass(ID, b"\xdd" * 16, (2, 4), 7, 1, 2, bytes.fromhex("0000803f000000c0")),
+        "4d5357 01 0f 0000 36000000" "000102030405060708090a0b0c0d0e0f" + "dd" * 16 + "0200 0400" "07000000" "0100" "02000000"
+        "0000803f" "000000c0",
+        id="stage_pass",
+    ),
+    pytest.param(
+        wire.StageReply(ID, 1, 2, bytes.fromhex("0000803f000000c0"), compute_us=99),
+        "4d5357 01 10 0000 22000000" "000102030405060708090a0b0c0d0e0f" "0100" "02000000" "63000000" "0000803f" "000000c0",
+        id="stage_reply",
+    ),
+    pytest.param(
+        ErrorReply(ID, ErrorCode.STAGE_GAP, "gap", held=3),
+        "4d5357 01 05 0000 1a000000" "000102030405060708090a0b0c0d0e0f" "0a" "0300 676170" "03000000",
+        id="error_reply_stage_gap",
+    ),
     pytest.param(Unknown(0xC8, b"\xff", flags=3), "4d5357 01 c8 0300 01000000 ff", id="unknown"),
 ]
 
@@ -519,7 +535,7 @@ def test_constructor_refuses_inconsistent_requests(change, field):
     assert refused.value.field == field
 
 
-@pytest.mark.parametrize("msg_type", [0, 15, 0x7F, 0xFF])
+@pytest.mark.parametrize("msg_type", [0, 17, 0x7F, 0xFF])
 def test_unknown_type_decodes_to_unknown(msg_type):
     """A type this side does not know decodes to Unknown with its flags and body intact."""
     data = frame(msg_type, b"future", flags=0x8001)
