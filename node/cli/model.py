@@ -13,7 +13,7 @@ from experts.delta_net import CHECKPOINT_EVERY
 from experts.errors import UsageError
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.parts import Part
-from experts.random_model import SUPPORTED_QTYPES, random_config, write_random_model
+from experts.random_model import SUPPORTED_QTYPES, random_config, with_settings, write_random_model
 from experts.slices import check_slice, parse_range, write_part_slice, write_slice
 from node.cli import progress
 from node.cli.options import KERNEL_NAMES, kernel_options, open_kernel, parse_size
@@ -173,12 +173,13 @@ def model_group() -> None:
 @click.option("--expert-ffn", "n_ff_exp", default=32, show_default=True)
 @click.option("--shared-ffn", "n_ff_shexp", default=None, type=int, help="Shared expert width (qwen2moe; default 2x expert FFN).")
 @click.option("--mla-kv-b", "mla_kv_b", is_flag=True, help="deepseek2: the legacy attn_kv_b layout instead of attn_k_b/attn_v_b.")
+@click.option("--set", "settings", multiple=True, metavar="FIELD=VALUE", help="Set any config field after the shape flags (the names `inspect --json` shows), e.g. --set indexer_top_k=8; repeatable.")
 @click.option("--qtype", default="F32", show_default=True, type=click.Choice(sorted(q.name for q in SUPPORTED_QTYPES)))
 @click.option("--seed", default=0, show_default=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
-def random_cmd(arch: str, output: str, qtype: str, seed: int, **shape: int) -> None:
+def random_cmd(arch: str, output: str, qtype: str, seed: int, settings: tuple[str, ...], **shape: int) -> None:
     """Write a random MoE model of any shape as GGUF (llama.cpp loads it)."""
-    cfg = random_config(arch, **shape)
+    cfg = with_settings(random_config(arch, **shape), settings)
     write_random_model(output, cfg, qtype=gguf.GGMLQuantizationType[qtype], seed=seed)
     m = GGUFModel(output)
     click.echo(f"wrote {output}: {arch}, {cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_expert} experts top-{cfg.n_expert_used}, {qtype}, digest {m.digest[:16]}...")
