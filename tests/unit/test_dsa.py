@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
+from experts.dense_weights import DenseLinear
 from experts.errors import ModelFormatError, UsageError
 from experts.gguf_model import GGUFModel
 from experts.model_writer import write_model
@@ -67,3 +69,62 @@ def test_bad_settings_are_one_line_usage_errors(setting, message):
     with pytest.raises(UsageError, match=message) as err:
         with_settings(random_config(ARCH), [setting])
     assert "\n" not in str(err.value)
+
+
+def test_the_hadamard_matrix_is_ggmls_orthonormal_sylvester_matrix():
+    from experts.dsa import hadamard
+
+    h4 = np.array([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]], dtype=np.float32) / 2
+    assert hadamard(4).tobytes() == h4.tobytes()
+    h = hadamard(64)
+    assert (h == h.T).all() and np.allclose(h @ h, np.eye(64), atol=1e-6) and set(np.unique(np.abs(h))) == {np.float32(0.125)}
+
+
+def test_the_layer_norm_centres_and_scales_before_its_weight_and_bias():
+    from experts.dsa import layer_norm
+
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32) * 5 + 2
+    y = layer_norm(x, np.full(64, 2.0, dtype=np.float32), np.full(64, 0.5, dtype=np.float32))
+    assert np.allclose(y.mean(-1), 0.5, atol=1e-5) and np.allclose(y.std(-1), 2.0, atol=1e-4)
+
+
+def test_selection_keeps_every_position_up_to_top_k_then_the_best_scores():
+    """Scores are sum_h relu(q_h . k) w_h: a key only a negatively weighted head likes scores below one no head likes."""
+    from experts.dsa import Indexer
+
+    idx = Indexer(wq_b=None, wk=None, k_norm=None, k_norm_b=None, proj=None, rot=DenseLinear(np.eye(2, dtype=np.float32)), heads=2, top_k=2)  # type: ignore[arg-type]
+    q, w = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32), np.array([1.0, -1.0], dtype=np.float32)
+    keys = np.array([[3.0, 0.0], [0.0, 5.0], [-1.0, -1.0], [1.0, 0.0]], dtype=np.float32)  # scores 3, -5, 0, 1
+    assert idx.select(q, w, keys[:2]).tolist() == [0, 1]
+    assert idx.select(q, w, keys).tolist() == [0, 3]
+    assert idx.select(q, w, keys[:3]).tolist() == [0, 2]
+
+
+def test_decoding_token_by_token_and_after_a_rollback_gives_one_pass_bits(tmp_path):
+    """Past the indexer's top-k the selection differs per query; incremental decoding, and decoding again after the
+    cache is cut back across the point where selection starts (speculative rollback), give the bits of one pass.
+    The cache keeps each position's indexer key beside its latent."""
+    from experts.forward import Backbone, KVCache, local_moe
+    from experts.hosting import open_experts
+    from experts.kernels import make_kernel
+    from experts.moe import ungrouped_moe
+
+    cfg = with_settings(random_config(ARCH, n_layer=3), ["indexer_top_k=6"])
+    path = tmp_path / "ds32.gguf"
+    write_random_model(path, cfg)
+    model, kernel = GGUFModel(path), make_kernel("reference", 1)
+    store, _ = open_experts(model, kernel)
+    bb, hook = Backbone(model, kernel), local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w))
+    tokens = [(7 * i + 3) % 256 for i in range(20)]
+    full = bb.forward(tokens, KVCache(), hook)
+    cache = KVCache()
+    steps = np.concatenate([bb.forward(tokens[:4], cache, hook)] + [bb.forward([t], cache, hook) for t in tokens[4:]])
+    assert steps.tobytes() == full.tobytes()
+    assert [v.shape for v in cache.v] == [(20, 64)] * 3 and [k.shape[1] for k in cache.k] == [cfg.kv_lora_rank + cfg.rope_dim] * 3
+    cache.truncate(5)
+    again = bb.forward(tokens[5:], cache, hook)
+    assert again.tobytes() == full[5:].tobytes()
+    dense = Backbone(model, kernel)
+    dense.layers = [dataclasses.replace(L, mla=dataclasses.replace(L.mla, indexer=None)) for L in dense.layers]
+    plain = dense.forward(tokens, KVCache(), hook)
+    assert plain[:6].tobytes() == full[:6].tobytes() and not np.allclose(plain[6:], full[6:], atol=1e-3)  # the same until top-k drops a position
