@@ -128,3 +128,51 @@ def test_decoding_token_by_token_and_after_a_rollback_gives_one_pass_bits(tmp_pa
     dense.layers = [dataclasses.replace(L, mla=dataclasses.replace(L.mla, indexer=None)) for L in dense.layers]
     plain = dense.forward(tokens, KVCache(), hook)
     assert plain[:6].tobytes() == full[:6].tobytes() and not np.allclose(plain[6:], full[6:], atol=1e-3)  # the same until top-k drops a position
+
+
+def test_head_dense_and_expert_slices_verify_and_compute_the_full_models_logits(tmp_path):
+    """The indexer's tensors go with the dense weights of their layer; slices of every part verify against the digest
+    and a backbone from them gives the full file's logits bit for bit on a prompt past the top-k."""
+    from experts.forward import Backbone, KVCache, local_moe
+    from experts.model_parts import SlicedModel
+    from experts.moe import ungrouped_moe
+    from experts.slices import ExpertStore, check_slice
+
+    from .test_part_slices import cut_all
+
+    path = tmp_path / "ds32.gguf"
+    write_random_model(path, with_settings(random_config(ARCH, n_layer=3), ["indexer_top_k=4"]))
+    full = GGUFModel(path)
+    head, dense, experts = cut_all(full, tmp_path)
+    for sl in (head, *dense, experts):
+        check_slice(sl, full.digest)
+    assert all(d.has(f"blk.{i}.indexer.attn_q_b.weight") for d in dense for i in d.layers) and not experts.has("blk.0.indexer.proj.weight")
+    tokens = [(5 * i + 1) % 256 for i in range(12)]
+
+    def hook(model: GGUFModel):
+        store = ExpertStore(model)
+        return local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w))
+
+    want = Backbone(full).forward(tokens, KVCache(), hook(full))
+    assert Backbone(SlicedModel([head, *dense], full.digest)).forward(tokens, KVCache(), hook(experts)).tobytes() == want.tobytes()
+
+
+def test_speculative_decoding_with_rollback_across_the_top_k_boundary_is_plain_decoding(tmp_path):
+    """Drafts rejected before and after position top_k cut the indexer keys back with the latents: greedy speculative
+    decoding yields plain decoding's tokens and logit bits."""
+    from experts.forward import Backbone, local_moe
+    from experts.generate import generate
+    from experts.moe import ungrouped_moe
+    from experts.slices import ExpertStore
+    from experts.speculative import PromptLookupDrafter, speculative_generate
+
+    from .test_speculative import Fixed, assert_same
+
+    path = tmp_path / "ds32.gguf"
+    write_random_model(path, with_settings(random_config(ARCH, n_layer=3), ["indexer_top_k=8"]))
+    model = GGUFModel(path)
+    store = ExpertStore(model)
+    bb, hook, prompt = Backbone(model), local_moe(lambda i, x, e, w: ungrouped_moe(store, i, x, e, w)), [264, 72, 101, 108, 108, 111]
+    plain = list(generate(bb, prompt, 20, hook))
+    for drafter in (Fixed([0, 1, 2, 3, 4, 5, 6, 7]), PromptLookupDrafter(max_ngram=1)):
+        assert_same(plain, list(speculative_generate(bb, prompt, 20, hook, drafter=drafter, adaptive=False)))
