@@ -109,5 +109,5 @@ def test_set_picks_arch_options_and_llamacpp_loads_the_deepseek32_file(tmp_path)
     if importlib.util.find_spec("llama_cpp") is not None:  # the optional reference engine
         from experts.reference import llamacpp_logits
 
-        logits = llamacpp_logits(out, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+        logits = llamacpp_logits(out, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], isolated=True)  # see experts.reference
         assert logits.shape == (12, GGUFModel(out).cfg.n_vocab) and bool((logits == logits).all())

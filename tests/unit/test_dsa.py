@@ -176,3 +176,10 @@ def test_speculative_decoding_with_rollback_across_the_top_k_boundary_is_plain_d
     plain = list(generate(bb, prompt, 20, hook))
     for drafter in (Fixed([0, 1, 2, 3, 4, 5, 6, 7]), PromptLookupDrafter(max_ngram=1)):
         assert_same(plain, list(speculative_generate(bb, prompt, 20, hook, drafter=drafter, adaptive=False)))
+
+
+def test_at_deepseek_v32_dims_the_cache_holds_704_floats_per_token_per_layer():
+    """Latent 512 + rope 64 + one 128-wide indexer key (64 indexer heads of 128 share it)."""
+    cfg = dataclasses.replace(random_config(ARCH), n_head=128, head_dim=192, n_rot=64, kv_lora_rank=512, v_head_dim=128, indexer_heads=64, indexer_head_dim=128, indexer_top_k=2048)
+    cfg.spec.check(cfg)
+    assert cfg.kv_cache_floats == 704 and cfg.gguf_kv_lengths == (576, 512)
