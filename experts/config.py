@@ -71,6 +71,11 @@ class ModelConfig:
     # its slice's hyper-parameters and enter the model digest; (): no clamp
     clamp_exp: tuple[float, ...] = field(default=(), metadata=_LATER)
     clamp_shexp: tuple[float, ...] = field(default=(), metadata=_LATER)
+    # DeepSeek Sparse Attention's lightning indexer (experts.archs.dsa, deepseek32): its heads, head width, and how
+    # many past positions each query's attention keeps; 0 heads: every position attends to all its past
+    indexer_heads: int = field(default=0, metadata=_LATER)
+    indexer_head_dim: int = field(default=0, metadata=_LATER)
+    indexer_top_k: int = field(default=0, metadata=_LATER)
 
     def __post_init__(self) -> None:
         for f in ("n_head_layers", "n_head_kv_layers", "swa_pattern", "clamp_exp", "clamp_shexp"):  # a config line has lists
@@ -134,10 +139,10 @@ class ModelConfig:
     @property
     def kv_cache_floats(self) -> int:
         """Floats the KV cache holds per token per layer: the latent and the roped key part under MLA (576 for
-        DeepSeek-V3, in both file layouts), else a key and a value per KV head (of the widest layer, when step35's
+        DeepSeek-V3, in both file layouts; 704 for V3.2 with its indexer key), else a key and a value per KV head (of the widest layer, when step35's
         layers have different KV head counts)."""
-        if self.kv_lora_rank:
-            return self.kv_lora_rank + self.rope_dim
+        if self.kv_lora_rank:  # deepseek32 adds each position's lightning-indexer key
+            return self.kv_lora_rank + self.rope_dim + (self.indexer_head_dim if self.indexer_heads else 0)
         return 2 * self.head_dim * max(self.kv_heads(i) for i in range(self.n_layer))
 
     @property

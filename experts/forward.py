@@ -24,6 +24,7 @@ import numpy as np
 from .arch import QKNorm, RopeStyle
 from .delta_net import DeltaNet, advance
 from .dense_weights import FFN, DenseLinear, DenseWeights, Linear, PackedWeights, mm, weights_for
+from .dsa import Indexer
 from .errors import ModelFormatError
 from .gguf_model import GGUFModel
 from .kda import KimiDelta
@@ -208,9 +209,10 @@ class MLA:
     kv_a_norm: np.ndarray
     k_b: list[Linear]  # per head: q_nope (nope) -> latent
     v_b: list[Linear]  # per head: latent -> value (v_head_dim)
+    indexer: Indexer | None = None  # deepseek32's trunk layers: the positions each query reads (experts.dsa)
 
     @classmethod
-    def load(cls, model: GGUFModel, lin, b: str) -> MLA:
+    def load(cls, model: GGUFModel, lin, b: str, *, sparse: bool = False) -> MLA:
         cfg, d = model.cfg, model.dense
         if cfg.mla_kv_b:
             nope = cfg.head_dim - cfg.rope_dim
@@ -228,6 +230,7 @@ class MLA:
             kv_a_norm=d(b + "attn_kv_a_norm.weight"),
             k_b=k_b,
             v_b=v_b,
+            indexer=Indexer.load(model, lin, b) if sparse else None,
         )
 
 
@@ -300,7 +303,8 @@ class Backbone:
             gate = d(b + "ffn_gate_inp_shexp.weight") if self.arch.shared.gated else None
             shexp = (gate, lin.ffn(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight", cfg.glu_shexp(i)))
         recurrent = cfg.is_recurrent(i)
-        mla = MLA.load(model, lin, b) if self.arch.attention.latent and not recurrent else None  # kimi-linear: MLA between KDA layers
+        sparse = cfg.indexer_heads > 0 and i < cfg.n_layer  # llama.cpp's deepseek32 MTP graph runs dense MLA
+        mla = MLA.load(model, lin, b, sparse=sparse) if self.arch.attention.latent and not recurrent else None  # kimi-linear: MLA between KDA layers
         gdn = (KimiDelta if self.arch.attention.key_decay else DeltaNet).load(model, lin, b) if recurrent else None
         q, k, v = self._qkv(lin, b) if mla is None and gdn is None else (None, None, None)
         return Layer(
@@ -413,7 +417,8 @@ class Backbone:
         time over exactly its causal positions (batch invariant, as :meth:`attention`)."""
         cfg, eps = self.cfg, self.cfg.rms_eps
         n, heads, lat, nope = h.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
-        q = A.wq(h if A.wq_a is None or A.q_a_norm is None else rms_norm(A.wq_a(h), A.q_a_norm, eps)).reshape(n, heads, cfg.head_dim)
+        qr = h if A.wq_a is None or A.q_a_norm is None else rms_norm(A.wq_a(h), A.q_a_norm, eps)
+        q = A.wq(qr).reshape(n, heads, cfg.head_dim)
         kv = A.wkv_a(h)
         style, base = self.arch.attention.rope, cfg.rope_base(i)
         k_pe, q_pe = np.ascontiguousarray(kv[:, lat:]), np.ascontiguousarray(q[..., nope:])
@@ -423,12 +428,17 @@ class Backbone:
         q_abs = np.stack([A.k_b[j](np.ascontiguousarray(q[:, j, :nope])) for j in range(heads)], axis=1)
         queries = np.concatenate([q_abs, q_pe], axis=-1)  # (n, heads, lat + rope)
         rows = np.concatenate([rms_norm(kv[:, :lat], A.kv_a_norm, eps), k_pe], axis=-1)  # (n, lat + rope): what is cached
-        cache.extend(i, rows, np.empty((n, 0), dtype=np.float32))
+        idx, neox = A.indexer, lambda x: rope(x, pos, base, RopeStyle.NEOX, cfg.rope_dim, self.yarn)
+        cache.extend(i, rows, np.empty((n, 0), dtype=np.float32) if idx is None else idx.keys(h, neox))  # deepseek32: the indexer's keys
+        iq, iw = (None, None) if idx is None else idx.queries(qr, h, neox)
         mscale = np.float32(self.yarn.attn_mscale if self.yarn else 1.0)
         scale = mscale * mscale / np.sqrt(np.float32(cfg.head_dim))
         latent = np.empty((n, heads, lat), dtype=np.float32)
         for r in range(n):
             K = cache.k[i][: int(pos[r]) + 1]  # (t, lat + rope)
+            if idx is not None:  # DeepSeek Sparse Attention: only the positions the lightning indexer picks
+                assert iq is not None and iw is not None
+                K = K[idx.select(iq[r], iw[r], cache.v[i][: int(pos[r]) + 1])]
             p = softmax(np.matmul(queries[r], np.ascontiguousarray(K.T)) * scale)  # (heads, t)
             latent[r] = np.matmul(p, np.ascontiguousarray(K[:, :lat]))
         out = np.stack([A.v_b[j](np.ascontiguousarray(latent[:, j])) for j in range(heads)], axis=1)

@@ -9,7 +9,8 @@ the bytes are valid blocks of that type, which is all a reader or benchmark need
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from .archs import arch_spec
 from .config import ModelConfig, TokenizerSpec
-from .errors import ModelFormatError
+from .errors import ModelFormatError, UsageError
 from .model_writer import PlannedTensor, expected_shapes, keeps_f32, pack_tensor, write_model, write_streamed
 
 Q = gguf.GGMLQuantizationType
@@ -67,6 +68,46 @@ def random_config(arch: str, *, n_vocab: int | None = None, **shape: Any) -> Mod
     return arch_spec(arch).random_config(n_vocab=n_vocab or len(byte_level_tokenizer().tokens), **shape)
 
 
+def with_settings(cfg: ModelConfig, settings: Sequence[str]) -> ModelConfig:
+    """*cfg* with ``field=value`` settings applied (``moeswarm model random --set``), each value read as its
+    :class:`ModelConfig` field's type (a tuple: comma-separated; ``none`` where the field may be None); the result
+    is checked as the arch checks a file it opens, so a setting llama.cpp could not run is refused before writing.
+
+    Why generic: every arch has options beyond the common shape flags (an indexer's top-k, a window, a clamp), and
+    one flag per option per arch would not scale; the field names are the config's, as ``inspect --json`` shows them.
+    """
+    hints = typing.get_type_hints(ModelConfig)
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"arch"}
+    changes: dict[str, Any] = {}
+    for item in settings:
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or key not in names:
+            raise UsageError(f"--set {item!r}: give FIELD=VALUE with FIELD one of " + ", ".join(sorted(names)))
+        try:
+            changes[key] = _parse_setting(hints[key], text.strip())
+        except ValueError:
+            kind = hints[key]
+            raise UsageError(f"--set {item!r}: {text!r} is not a {kind.__name__ if isinstance(kind, type) else kind}") from None
+    out = dataclasses.replace(cfg, **changes)
+    out.spec.check(out)
+    return out
+
+
+def _parse_setting(kind: Any, text: str) -> Any:
+    """*text* as a value of the type *kind* (int, float, bool, str, ``X | None``, ``tuple[X, ...]``)."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) is tuple:
+        return tuple(_parse_setting(args[0], t.strip()) for t in text.split(",") if t.strip())
+    if len(args) == 1:  # X | None
+        return None if text.lower() == "none" else _parse_setting(args[0], text)
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(text)
+        return text.lower() in ("true", "1")
+    return kind(text)
+
+
 def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Float32 weights with fan-in scaling; the router is sharper than init so top-k choices are clear."""
     return dict(_random_arrays(cfg, seed))
@@ -90,8 +131,8 @@ def _random_arrays(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarra
             arr = -rng.uniform(0.05, 0.5, shape)  # -exp(A_log), as converted: each head's state decays by exp(a * softplus(.))
         elif name.endswith("attn_sinks.weight"):
             arr = 2.0 + rng.standard_normal(shape)  # sink logits above the typical score: they take a visible share
-        elif name.endswith(("ffn_gate_inp.bias", "_exps.bias")):
-            arr = rng.standard_normal(shape)  # centred: a router bias of ~1 everywhere would change little
+        elif name.endswith(("ffn_gate_inp.bias", "_exps.bias", "indexer.k_norm.bias")):
+            arr = rng.standard_normal(shape)  # centred: a router bias of ~1 everywhere would change little (an indexer key's, lift every score alike)
         elif len(shape) == 1:
             arr = 1.0 + 0.1 * rng.standard_normal(shape)
         else:

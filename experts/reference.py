@@ -32,8 +32,25 @@ def llamacpp(path: str | Path, *, n_ctx: int, n_batch: int, threads: int = 1, th
     )
 
 
-def llamacpp_logits(path: str | Path, tokens: list[int]) -> np.ndarray:
-    """llama.cpp's logits for every position of *tokens*, F32 KV cache, one thread (steady numerics)."""
+# A child that prints llama.cpp's logits of argv[1] for the tokens argv[2:] as raw float32 (shape: n x vocab).
+_CHILD = "import sys; from experts.reference import llamacpp_logits; sys.stdout.buffer.write(llamacpp_logits(sys.argv[1], [int(t) for t in sys.argv[2:]]).tobytes())"
+
+
+def llamacpp_logits(path: str | Path, tokens: list[int], *, isolated: bool = False) -> np.ndarray:
+    """llama.cpp's logits for every position of *tokens*, F32 KV cache, one thread (steady numerics).
+
+    *isolated* runs llama.cpp in a child process. Why: ggml-python's older libggml (the ggml kernel's) and
+    llama.cpp's share library names, so once one is loaded the other's graphs run on it; ops only the newer one has
+    (deepseek32's lightning indexer, top-k and fill) then abort the whole process.
+    """
+    if isolated:
+        import subprocess
+        import sys
+
+        out = subprocess.run([sys.executable, "-c", _CHILD, str(path), *map(str, tokens)], capture_output=True, check=False, timeout=600)
+        if out.returncode:
+            raise RuntimeError(f"llama.cpp on {path} failed ({out.returncode}): {out.stderr.decode(errors='replace')[-2000:]}")
+        return np.frombuffer(out.stdout, dtype=np.float32).reshape(len(tokens), -1).copy()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     llm = llamacpp(path, n_ctx=max(64, len(tokens)), n_batch=max(64, len(tokens)), logits_all=True)
     try:

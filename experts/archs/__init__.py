@@ -1,5 +1,5 @@
 """One module per model family, each an :class:`Arch` (or a subclass with its quirks) over shared mechanism parts:
-attention (:mod:`.attention`, :mod:`.mla`, :mod:`.gdn`, :mod:`.kda`), sliding windows (:mod:`.window`), routers (:mod:`.router`),
+attention (:mod:`.attention`, :mod:`.mla`, :mod:`.dsa`, :mod:`.gdn`, :mod:`.kda`), sliding windows (:mod:`.window`), routers (:mod:`.router`),
 experts, shared experts and layer schedules (:mod:`.ffn`).
 
 Adding an architecture means one family module (or one more Arch in an existing one) and its line in :data:`ARCHS`.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..errors import ModelFormatError
 from .bailing import BAILINGMOE2
 from .base import Arch
-from .deepseek import DEEPSEEK2
+from .deepseek import DEEPSEEK2, DEEPSEEK32
 from .dots import DOTS1
 from .ernie import ERNIE4_5_MOE
 from .glm import GLM4MOE
@@ -28,7 +28,7 @@ ARCHS: dict[str, Arch] = {
     for a in (
         QWEN2MOE, QWEN3MOE, LLAMA, OLMOE, GLM4MOE, MINIMAX_M2, GPT_OSS, QWEN3VLMOE, DOTS1, ERNIE4_5_MOE, BAILINGMOE2,
         DEEPSEEK2, LLAMA4, QWEN3NEXT, QWEN35MOE, STEP35,
-        KIMI_LINEAR,
+        KIMI_LINEAR, DEEPSEEK32,
     )
 }
 

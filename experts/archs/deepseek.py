@@ -4,13 +4,15 @@ MLA (:mod:`.mla`: absorbed attn_k_b/attn_v_b, or legacy attn_kv_b) with q-LoRA a
 the attention scale; DeepSeek-V3's router from the file (softmax unless it says) with an optional selection bias and
 expert groups; leading dense layers; a plain shared expert of expert_shared_count expert widths.
 
-deepseek32 and glm-dsa (issue 27) are this arch plus a lightning indexer: each is one module whose Arch subclasses
-this one's parts (``LatentAttention`` grows the indexer's keys, tensors and writer).
+deepseek32 (DeepSeek-V3.2), src/models/deepseek32.cpp, is this arch plus DeepSeek Sparse Attention
+(:mod:`.dsa`: a lightning indexer picks the past positions each query's MLA reads); its loader requires the gating
+function and q-LoRA.
 """
 
 from __future__ import annotations
 
 from .base import Arch, RandomFeatures
+from .dsa import SparseLatentAttention
 from .ffn import DenseLead, SharedByCount
 from .mla import LatentAttention
 from .router import FROM_FILE, Presence, RouterSpec
@@ -26,4 +28,13 @@ DEEPSEEK2 = Arch(
     # V3's mscale_all_dim of 1
     random=RandomFeatures(n_dense_lead=1, n_nextn=1, rot_div=3, gating="sigmoid", norm_topk=True, scale=2.5, groups=(4, 2),
                           yarn_factor=4.0, yarn_orig_ctx=64, yarn_log_mul=1.0),
+)
+
+DEEPSEEK32 = Arch(
+    name="deepseek32",
+    attention=SparseLatentAttention(),
+    router=RouterSpec(gating=None, reads=FROM_FILE, selection_bias=Presence.OPTIONAL),
+    shared=SharedByCount(),
+    schedule=DenseLead(),
+    random=DEEPSEEK2.random,  # V3.2 keeps V3's router, schedule, MTP block and YaRN
 )

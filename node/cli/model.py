@@ -13,7 +13,7 @@ from experts.delta_net import CHECKPOINT_EVERY
 from experts.errors import UsageError
 from experts.gguf_model import ExpertRange, GGUFModel
 from experts.parts import Part
-from experts.random_model import SUPPORTED_QTYPES, random_config, write_random_model
+from experts.random_model import SUPPORTED_QTYPES, random_config, with_settings, write_random_model
 from experts.slices import check_slice, parse_range, write_part_slice, write_slice
 from node.cli import progress
 from node.cli.options import KERNEL_NAMES, kernel_options, open_kernel, parse_size
@@ -134,6 +134,8 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
         "packed_bytes_per_layer": {i: packed_bytes(m, range(i, i + 1), hosted) for i in lr},
         "kv_cache_bytes_per_token_per_layer": 4 * m.cfg.kv_cache_floats,  # float32, as the backbone keeps it
     }
+    if m.cfg.indexer_heads:  # deepseek32: each position's lightning-indexer key, cached beside the latent (counted above)
+        info["indexer_key_bytes_per_token_per_layer"] = 4 * m.cfg.indexer_head_dim
     if m.cfg.layer_kinds:  # gated delta-net layers cache their recurrence's inputs, and state checkpoints
         info["recurrent_layers"] = [i for i in range(m.cfg.n_layer) if m.cfg.is_recurrent(i)]
         info["recurrent_cache_bytes_per_token_per_layer"] = 4 * m.cfg.gdn_row_floats
@@ -146,7 +148,7 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
     c = m.cfg
     dense = len(m.layers) - len(m.moe_layers)
     click.echo(f"hidden {c.n_embd}, {c.n_layer} layers ({dense} of these dense, no experts), {c.n_expert} experts top-{c.n_expert_used}, expert FFN {c.n_ff_exp}, shared FFN {c.n_ff_shexp}")
-    click.echo(f"KV cache: {info['kv_cache_bytes_per_token_per_layer']} bytes per token per layer ({c.kv_cache_floats} float32" + (", the MLA latent)" if c.kv_lora_rank else ", the widest layer)" if c.n_head_kv_layers else ")"))
+    click.echo(f"KV cache: {info['kv_cache_bytes_per_token_per_layer']} bytes per token per layer ({c.kv_cache_floats} float32" + (", the MLA latent and the lightning indexer's key)" if c.indexer_heads else ", the MLA latent)" if c.kv_lora_rank else ", the widest layer)" if c.n_head_kv_layers else ")"))
     if c.layer_kinds:
         click.echo(
             f"recurrent layers {info['recurrent_layers']}: {info['recurrent_cache_bytes_per_token_per_layer']} bytes per token per layer, "
@@ -173,12 +175,13 @@ def model_group() -> None:
 @click.option("--expert-ffn", "n_ff_exp", default=32, show_default=True)
 @click.option("--shared-ffn", "n_ff_shexp", default=None, type=int, help="Shared expert width (qwen2moe; default 2x expert FFN).")
 @click.option("--mla-kv-b", "mla_kv_b", is_flag=True, help="deepseek2: the legacy attn_kv_b layout instead of attn_k_b/attn_v_b.")
+@click.option("--set", "settings", multiple=True, metavar="FIELD=VALUE", help="Set any config field after the shape flags (the names `inspect --json` shows), e.g. --set indexer_top_k=8; repeatable.")
 @click.option("--qtype", default="F32", show_default=True, type=click.Choice(sorted(q.name for q in SUPPORTED_QTYPES)))
 @click.option("--seed", default=0, show_default=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
-def random_cmd(arch: str, output: str, qtype: str, seed: int, **shape: int) -> None:
+def random_cmd(arch: str, output: str, qtype: str, seed: int, settings: tuple[str, ...], **shape: int) -> None:
     """Write a random MoE model of any shape as GGUF (llama.cpp loads it)."""
-    cfg = random_config(arch, **shape)
+    cfg = with_settings(random_config(arch, **shape), settings)
     write_random_model(output, cfg, qtype=gguf.GGMLQuantizationType[qtype], seed=seed)
     m = GGUFModel(output)
     click.echo(f"wrote {output}: {arch}, {cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_expert} experts top-{cfg.n_expert_used}, {qtype}, digest {m.digest[:16]}...")

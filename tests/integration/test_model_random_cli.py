@@ -85,3 +85,29 @@ def test_qwen3next_random_model_and_inspect_report_the_recurrent_cache(tmp_path)
     assert info["recurrent_cache_bytes_per_token_per_layer"] == 4 * (2 * 32 + 64 + 2 * 4) and info["recurrent_state_bytes"] == 4 * 4 * 16 * 16
     p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "recurrent layers [0, 2]: 544 bytes per token per layer" in p.stdout, p.stdout
+
+
+def test_set_picks_arch_options_and_llamacpp_loads_the_deepseek32_file(tmp_path):
+    """--set FIELD=VALUE reaches any config field (here deepseek32's lightning indexer); the file is one llama.cpp
+    loads and runs, and inspect reports the indexer's key in the KV cache; a setting it could not run is refused."""
+    import json
+
+    out = tmp_path / "ds32.gguf"
+    args = ["model", "random", "--arch", "deepseek32", "--set", "indexer_top_k=8", "--set", "indexer_heads=4", "-o", str(out)]
+    p = subprocess.run([sys.executable, "-m", "node", *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out), "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    c = info["config"]
+    assert (c["indexer_top_k"], c["indexer_heads"], c["indexer_head_dim"]) == (8, 4, 64)
+    assert info["kv_cache_bytes_per_token_per_layer"] == 4 * (c["kv_lora_rank"] + c["n_rot"] + 64)
+    bad = subprocess.run([sys.executable, "-m", "node", *args[:-2], "--set", "indexer_head_dim=48", "-o", str(tmp_path / "bad.gguf")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "power of two" in bad.stderr and not (tmp_path / "bad.gguf").exists()
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is not None:  # the optional reference engine
+        from experts.reference import llamacpp_logits
+
+        logits = llamacpp_logits(out, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], isolated=True)  # see experts.reference
+        assert logits.shape == (12, GGUFModel(out).cfg.n_vocab) and bool((logits == logits).all())
