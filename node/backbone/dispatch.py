@@ -203,9 +203,9 @@ class RemoteMoE:
         spot_seed: int | None = None,
         ledger: LedgerSink | None = None,
         hot: HotExperts | None = None,
-        max_price: int | None = None,
         hedge: bool = False,
         sign_delay: float = DELAY_S,
+        router: Router | None = None,
     ) -> None:
         """Everything the dispatcher needs, complete: *codec* must already be allowed for the model (the
         composition root checks the verdict store), *loop* owns *connector*'s endpoint (:meth:`hook` is
@@ -221,7 +221,7 @@ class RemoteMoE:
         self.fallback = fallback
         self.codec = codec
         self.timeout = timeout
-        self.router = Router(n_expert, max_price=max_price)
+        self.router = router if router is not None else Router(n_expert)  # *router*: one the caller built first, e.g. with --max-price
         connector.relay_listeners.append(self._relay_restored)
         self.stats = DispatchStats()
         self.receipts: deque[Receipt] = deque(maxlen=KEEP_RECENT)  # recent; the ledger holds them all

@@ -69,16 +69,6 @@ UNMEASURED_COMPUTE_MS = 10.0  # per token, assumed for a pinged host that never 
 SIMILAR_RTT = 1.25  # replicas whose expected waits differ by less than this factor compete on price
 
 
-def scarcity_price(base: int, live_replicas: int) -> int:
-    """A worker's announced price per work unit: its base price, raised when few others host the same slice.
-
-    price = base * (1 + 1/n) rounded up, n = live hosts of the slice including this one: a sole host
-    asks double, one of two asks 1.5x, and the premium fades as replicas join.
-    """
-    n = max(live_replicas, 1)
-    return -(-base * (n + 1) // n)
-
-
 @dataclass
 class HostHealth:
     rtt_ms: float | None = None  # EWMA of the round trip less the worker's compute time
@@ -207,6 +197,11 @@ class Router:
         ``HEDGE_K`` x its predicted round trip, at least ``HEDGE_FLOOR_S``; None for a host not yet measured."""
         predicted_s = self._predicted_s(peer, n_tokens)
         return None if predicted_s is None else max(HEDGE_FLOOR_S, HEDGE_K * predicted_s)
+
+    def served(self, peer: PeerId) -> int:
+        """Dispatches *peer* has answered us: hosts that served us need no vetting ping (p2p.dht.vetting)."""
+        health = self.health.get(peer)
+        return health.dispatches if health else 0
 
     def pinged(self, peer: PeerId, rtt_ms: float) -> None:
         """*peer* answered a vetting ping in *rtt_ms*: its network round trip, until dispatches measure it."""

@@ -17,7 +17,7 @@ from experts.kernels import Kernel
 from node.backbone.dispatch import RemoteMoE
 from node.backbone.hot import HotExperts
 from node.backbone.options import BackboneOptions
-from node.backbone.routing import UNMEASURED_COMPUTE_MS
+from node.backbone.routing import UNMEASURED_COMPUTE_MS, Router
 from node.ledger.sink import LedgerSink
 from node.outbound import connector_on
 from node.status.server import model_shape
@@ -59,10 +59,11 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
         connector = await stack.enter_async_context(connector_on(identity, endpoint, dht, o.relay))
         cfg = model.cfg
         # Only hosts that answered a ping or served us (p2p.dht.vetting): a DHT answer may be full of sybils' records.
-        discovery = VettedDiscovery(CachedDiscovery(dht, ttl=30.0), ping_probe(connector))
-        moe = RemoteMoE(connector, discovery, model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0] if o.hold_experts else None, loop=asyncio.get_running_loop(), codec=o.codec, timeout=o.timeout, spot_check=o.spot_check, spot_seed=o.spot_seed, ledger=ledger, hot=_hot_experts(model, o.local_experts, o.local_memory), max_price=o.max_price, hedge=o.hedge)
-        discovery.served = lambda peer: health.dispatches if (health := moe.router.health.get(peer)) else 0
-        discovery.pinged = moe.router.pinged  # a new host's first deadline from its ping, not the full --timeout
+        # The router learns from pings before the first dispatch (a new host's first deadline from its ping, not the
+        # full --timeout), and hosts that served us need no ping: so the router exists before the discovery.
+        router = Router(cfg.n_expert, max_price=o.max_price)
+        discovery = VettedDiscovery(CachedDiscovery(dht, ttl=30.0), ping_probe(connector), served=router.served, pinged=router.pinged)
+        moe = RemoteMoE(connector, discovery, model.digest, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert, open_experts(model, kernel)[0] if o.hold_experts else None, loop=asyncio.get_running_loop(), codec=o.codec, timeout=o.timeout, spot_check=o.spot_check, spot_seed=o.spot_seed, ledger=ledger, hot=_hot_experts(model, o.local_experts, o.local_memory), hedge=o.hedge, router=router)
         if o.hold_experts:  # a missed first deadline costs a local compute, not an error (routing's docstring)
             moe.router.unmeasured_compute_ms = UNMEASURED_COMPUTE_MS
         stack.push_async_callback(moe.close)  # probes and hedges, and the last ledger-head swap: before the connector closes

@@ -25,12 +25,12 @@ from experts.hosting import open_experts
 from experts.kernels import make_kernel
 from experts.moe import Progress
 from experts.slices import check_slice
-from node.backbone.routing import scarcity_price
 from node.ledger.sink import LedgerSink
 from node.runtime import until_stopped, write_ready
 from node.status.coverage import Phase
 from node.status.server import NodeStatus, model_shape, serve_status
 from node.worker.lifecycle import Lifecycle, State
+from node.worker.pricing import scarcity_price
 from node.worker.service import MAX_IN_FLIGHT, MAX_IN_FLIGHT_PER_PEER, Worker
 from node.worker.slice_server import SliceLimits, SliceServer
 from p2p.dht.kademlia import BOOTSTRAP_WAIT, LibP2PDiscovery, check_bootstrap, parse_listen

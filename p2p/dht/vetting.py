@@ -163,6 +163,7 @@ class VettedDiscovery:
         *,
         vetting: HostVetting | None = None,
         served: Callable[[PeerId], int] = lambda peer: 0,
+        pinged: Callable[[PeerId, float], None] = lambda peer, rtt_ms: None,
         probe_timeout: float = PROBE_TIMEOUT,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -170,7 +171,7 @@ class VettedDiscovery:
         self.vetting = vetting if vetting is not None else HostVetting()
         self._peer_log = ThrottledLog(log)  # sybils that never answer: a few lines per interval, then a count
         self.served = served
-        self.pinged: Callable[[PeerId, float], None] = lambda peer, rtt_ms: None  # told each answered ping's round trip
+        self.pinged = pinged  # told each answered ping's round trip
 
     async def announce(self, slices: Sequence[HostedSlice]) -> None:
         await self._inner.announce(slices)

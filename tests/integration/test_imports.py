@@ -160,3 +160,43 @@ def test_ledger_show_help_imports_no_networking():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"heavy": [], "ledger": True}, proc.stdout
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module *path* names in an import statement, at any depth (lazy imports inside functions count too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+    return names
+
+
+# Rooms that never import each other (docs/architecture.md): what both need lives in a module below both.
+APART = (("node.worker", "node.backbone"),)
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize(("a", "b"), APART)
+def test_rooms_that_stay_apart_never_import_each_other(a, b):
+    modules = all_modules()
+    crossings = sorted(
+        f"{name} imports {target}"
+        for name, path in modules.items()
+        for target in imported_modules(path)
+        for src, dst in ((a, b), (b, a))
+        if _inside(name, src) and _inside(target, dst)
+    )
+    assert sum(_inside(n, a) for n in modules) > 3 and sum(_inside(n, b) for n in modules) > 3  # both rooms were seen
+    assert not crossings, crossings
+
+
+def test_the_rooms_rule_sees_a_lazy_crossing(tmp_path):
+    """The check is not vacuous: an import inside a function counts."""
+    planted = tmp_path / "m.py"
+    planted.write_text("def f():\n    from node.backbone.routing import Router\n")
+    assert "node.backbone.routing" in imported_modules(planted)

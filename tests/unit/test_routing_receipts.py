@@ -97,7 +97,7 @@ def test_price_decides_among_similar_rtt_and_max_price_filters():
 
 def test_scarcity_price_rule():
     """A sole host asks double its base; the premium fades as replicas join; never below base."""
-    from node.backbone.routing import scarcity_price
+    from node.worker.pricing import scarcity_price
 
     assert [scarcity_price(10, n) for n in (0, 1, 2, 4, 10)] == [20, 20, 15, 13, 11]
     assert scarcity_price(0, 1) == 0

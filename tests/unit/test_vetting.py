@@ -125,8 +125,7 @@ def test_vetted_discovery_answers_the_hosts_whose_ping_answered():
     async def main():
         await InMemoryDiscovery(live, board, clock=clock).announce([HostedSlice(MODEL, 1, ((0, 8),), quic_addr="127.0.0.1:5001")])
         await InMemoryDiscovery(dead, board, clock=clock).announce([HostedSlice(MODEL, 1, ((8, 16),), quic_addr="127.0.0.1:5002")])
-        vetted = VettedDiscovery(InMemoryDiscovery(Identity.generate(), board, clock=clock), probe, clock=clock)
-        vetted.pinged = lambda peer, rtt_ms: rtts.append((peer, rtt_ms))
+        vetted = VettedDiscovery(InMemoryDiscovery(Identity.generate(), board, clock=clock), probe, clock=clock, pinged=lambda peer, rtt_ms: rtts.append((peer, rtt_ms)))
         first = await vetted.lookup(MODEL, 1)
         second = await vetted.lookup(MODEL, 1)
         return first, second
