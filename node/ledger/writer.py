@@ -40,6 +40,7 @@ from node.ledger.store import Event, Ledger, LedgerError, ref_of
 from p2p.identity import Identity
 
 MAX_BATCH = 256
+READER_GRACE_S = 10.0  # after "stop", how long the writer waits for the node to close the pipe
 _LEN = struct.Struct(">I")
 _MAX_FRAME = 1 << 20  # a receipt pickles to ~1 KB; a larger length is a broken pipe, not a message
 
@@ -158,12 +159,19 @@ def main() -> None:
         tell(out, ("error", exc))
         return
     items: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_into, args=(items, stream), name="ledger-pipe", daemon=True).start()
+    reader = threading.Thread(target=_read_into, args=(items, stream), name="ledger-pipe", daemon=True)
+    reader.start()
     tell(out, ("ready",))
     try:
         Writer(ledger, out).run(items)
     finally:
         ledger.close()
+    # "stop" is read before the node closes the pipe (LedgerSink.close sends it, then closes): leaving now, with the
+    # reader blocked inside stdin's read, makes the interpreter's shutdown abort (it cannot take stdin's lock). Wait
+    # for the end of the pipe; a node that never closes it gets an exit without that shutdown (all is committed).
+    reader.join(READER_GRACE_S)
+    if reader.is_alive():
+        os._exit(0)
 
 
 if __name__ == "__main__":
