@@ -56,3 +56,27 @@ def f32_models(model_dir) -> dict[str, Path]:
     """One small F32 model per architecture (4 experts of 8 chosen: top-2 of 8)."""
     return {arch: make_model(model_dir, arch) for arch in ARCHS}
 
+
+
+# Modules that build network namespaces (iptables NAT, NFQUEUE, fixed 10.x subnets): with `pytest -n N` (pytest-xdist)
+# they run one after another on one worker, so two testbeds never share the host's iptables and address plan.
+NETNS_MODULES = frozenset({"tests/integration/test_sybil.py"})
+NETNS_GROUP = "netns"
+
+
+def xdist_group(rel: str) -> str:
+    """The pytest-xdist group of the test module at *rel* (a path from the repository root): one group per module, so a
+    module's shared swarm (module-scoped fixtures) starts once, on one worker; every netns module in one group."""
+    return NETNS_GROUP if rel.startswith("tests/testbed/") or rel in NETNS_MODULES else rel
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist (`--dist loadgroup`, as `./dev test` runs it): mark each test with its module's group, and put the
+    netns group first: it is the longest (several minutes of testbeds), and loadgroup hands groups out in collection
+    order, so started last it would finish alone after every other worker is done."""
+    if not config.pluginmanager.has_plugin("xdist") or not getattr(config.option, "numprocesses", None):
+        return
+    root = config.rootpath
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path.relative_to(root).as_posix())))
+    items.sort(key=lambda item: xdist_group(item.path.relative_to(root).as_posix()) != NETNS_GROUP)
