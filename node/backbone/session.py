@@ -32,7 +32,7 @@ log = structlog.get_logger("node.backbone.session")
 
 
 @asynccontextmanager
-async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], kernel: Kernel, options: BackboneOptions | None = None):
+async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequence[str], kernel: Kernel, options: BackboneOptions | None = None, dht: LibP2PDiscovery | None = None):
     """A ready RemoteMoE for *model*: endpoint, DHT client, cached lookups, connector, local fallback experts.
 
     Its routes are re-read from the DHT every ``options.route_refresh`` seconds while the session lasts
@@ -40,6 +40,7 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
 
     *kernel* computes the fallback (and hot, and spot-checked) experts; give the backbone's dense forward the same
     one, so that a group computed here has the same bits as one computed by a worker with this kernel.
+    *dht*: a started DHT node of the caller's to use (a stage's, which also announces on it), else a client of its own.
     ``options.hold_experts`` False: the backbone computes no routed expert itself (a model whose experts do not fit
     it): no local fallback, no hot experts, and spot checks re-ask another replica instead of re-computing locally.
     """
@@ -48,14 +49,15 @@ async def backbone_session(identity: Identity, model: GGUFModel, bootstrap: Sequ
     async with contextlib.AsyncExitStack() as stack:
         endpoint = await Endpoint.bind(identity, o.listen[0], o.listen[1], handler=None, max_datagram_size=o.max_datagram)
         stack.push_async_callback(endpoint.close)
-        dht = LibP2PDiscovery(identity, listen=o.dht_listen, bootstrap=bootstrap, client_mode=True, models=[model_shape(model)])
-        stack.push_async_callback(dht.close)
+        if dht is None:
+            dht = LibP2PDiscovery(identity, listen=o.dht_listen, bootstrap=bootstrap, client_mode=True, models=[model_shape(model)])
+            stack.push_async_callback(dht.close)
+            await dht.start()
         if o.ledger_path:
             ledger = LedgerSink(o.ledger_path, "backbone", identity)
             stack.callback(ledger.close)
         else:
             ledger = None
-        await dht.start()
         connector = await stack.enter_async_context(connector_on(identity, endpoint, dht, o.relay))
         cfg = model.cfg
         # Only hosts that answered a ping or served us (p2p.dht.vetting): a DHT answer may be full of sybils' records.

@@ -3,6 +3,7 @@ arrive."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -10,7 +11,7 @@ from concurrent.futures import Future
 
 import click
 
-from experts.forward import Backbone, MoeFfn
+from experts.forward import Backbone, KVCache, MoeFfn
 from experts.generate import generate
 from experts.speculative import Drafter, FollowingDrafter, SpecStats, default_drafter, speculative_generate
 from experts.tokenizer import StreamDecoder, Tokenizer
@@ -29,7 +30,7 @@ def serial(hook: MoeFfn) -> MoeFfn:
     return waited
 
 
-async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: Callable[..., Future], *, stream: bool, speculative: bool = False, drafter: Drafter | FollowingDrafter | None = None, overlap: bool = True, culprits: Sequence[str] | None = None, settle: Callable[[], None] | None = None) -> tuple[list[int], float, SpecStats | None, RollbackStats | None]:
+async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int, hook: Callable[..., Future], *, stream: bool, speculative: bool = False, drafter: Drafter | FollowingDrafter | None = None, overlap: bool = True, culprits: Sequence[str] | None = None, settle: Callable[[], None] | None = None, cache: KVCache | None = None, off_loop: bool = False) -> tuple[list[int], float, SpecStats | None, RollbackStats | None]:
     """Generate on the event loop's thread, the MoE hook's dispatches awaited there; echo text when *stream*. Returns (tokens, seconds, stats, rollbacks).
 
     *drafter* proposes the speculative drafts (default: the model's n-gram table or prompt lookup).
@@ -37,7 +38,9 @@ async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int
     *culprits* (``RemoteMoE.checker.culprits``; *hook* then is ``RemoteMoE.hook``): roll back and re-decode when a spot
     check catches a worker whose unchecked sums were used (:mod:`node.backbone.provenance`); the streamed text is
     then retracted on the terminal (a notice on stderr, the kept text again) and the returned tokens are exact.
-    *settle* (``RemoteMoE.settle_blocking``): the last check waits for the receipts' batch signatures (see Provenance)."""
+    *settle* (``RemoteMoE.settle_blocking``): the last check waits for the receipts' batch signatures (see Provenance).
+    *cache*: the sequence's starting cache (a staged backbone's ``new_cache``); *off_loop*: generate on a thread, for
+    a forward that waits on the loop itself (a stage chain's links block on their round trips)."""
     ids = tok.encode(prompt)
     out: list[int] = []
     stats = SpecStats() if speculative else None
@@ -45,7 +48,7 @@ async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int
     rollbacks: RollbackStats | None = None
     steps: Iterator
     if culprits is None:
-        steps = decode(bb, ids, n_tokens, hook if overlap else serial(hook), stop={tok.eos_id})
+        steps = decode(bb, ids, n_tokens, hook if overlap else serial(hook), stop={tok.eos_id}, cache=cache)
     else:
         rollbacks, provenance = RollbackStats(), Provenance(culprits, settle)
         moe_ffn = functools.partial(hook, provenance=provenance)
@@ -70,6 +73,9 @@ async def stream_tokens(bb: Backbone, tok: Tokenizer, prompt: str, n_tokens: int
             click.echo(dec.flush())
 
     t0 = time.perf_counter()
-    await onloop.run_on_loop(run)  # one sequence: the forward on the loop's thread, no thread hop per MoE layer
+    if off_loop:
+        await asyncio.to_thread(run)
+    else:
+        await onloop.run_on_loop(run)  # one sequence: the forward on the loop's thread, no thread hop per MoE layer
     elapsed = time.perf_counter() - t0
     return out, elapsed, stats, rollbacks

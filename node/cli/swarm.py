@@ -38,6 +38,7 @@ from node.cli.options import (
     thread_count,
 )
 from node.cli.root import LazyGroup, emit_json
+from node.cli.staged import generate_staged, stages_options
 from node.cli.streaming import stream_tokens
 from node.ledger.store import FILENAME
 from node.runtime import data_dir as node_dir
@@ -213,23 +214,30 @@ def backbone_group() -> None:
 @click.option("--overlap/--no-overlap", default=True, show_default=True, help="Compute the shared expert while a layer's dispatch is in flight.")
 @kernel_options
 @data_dir_opt
+@stages_options
 @click.option("--json", "as_json", is_flag=True)
-def generate_cmd(model_path, bootstrap, bootstrap_wait, prompt, n_tokens, wait_hosts, ledger_path, speculative, drafter, overlap, kernel_name, threads, data_dir, as_json, **backbone) -> None:
-    """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it."""
+def generate_cmd(model_path, bootstrap, bootstrap_wait, prompt, n_tokens, wait_hosts, ledger_path, speculative, drafter, overlap, kernel_name, threads, data_dir, stages, stages_wait, stage_timeout, as_json, **backbone) -> None:
+    """Generate text, streaming tokens; each MoE layer is dispatched to the workers that host it (or, with
+    --stages auto, the hidden states go along a chain of stages that run the layers)."""
     model = GGUFModel(model_path)
     home = node_dir(data_dir, "backbone")
     ident = load_identity(home)
     session = backbone_options(model.digest, Path(ledger_path) if ledger_path else home / FILENAME, **backbone)
     kernel = open_kernel(kernel_name, threads)
-    result = asyncio.run(_generate(ident, model, (bootstrap, bootstrap_wait), prompt, n_tokens, wait_hosts, kernel, session, stream=not as_json, speculative=speculative, drafter=drafter, overlap=overlap))
+    staged = (stages_wait, stage_timeout) if stages == "auto" else None
+    result = asyncio.run(_generate(ident, model, (bootstrap, bootstrap_wait), prompt, n_tokens, wait_hosts, kernel, session, stream=not as_json, speculative=speculative, drafter=drafter, overlap=overlap, staged=staged))
     if as_json:
         emit_json(result)
 
 
-async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, kernel: Kernel, session: BackboneOptions, *, stream: bool, speculative: bool, drafter: str, overlap: bool) -> dict:
+async def _generate(ident, model, bootstrap, prompt, n_tokens, wait_hosts, kernel: Kernel, session: BackboneOptions, *, stream: bool, speculative: bool, drafter: str, overlap: bool, staged: tuple[float, float] | None = None) -> dict:
     bootstrap, wait = bootstrap
     await check_bootstrap(bootstrap, wait)  # before the dense weights load
     tok = Tokenizer.from_spec(model.tokenizer_spec)
+    if staged is not None:  # (seconds to wait for a chain, a hop's timeout)
+        result = await generate_staged(ident, model, bootstrap, kernel, session, tok, prompt, n_tokens, stream=stream, speculative=speculative, drafter=drafter, wait_s=staged[0], hop_timeout=staged[1])
+        if result is not None:
+            return result
     bb = Backbone(model, kernel)
     drafts = pick_drafter(bb, drafter) if speculative else None  # an MTP refusal before any connection
     async with backbone_session(ident, model, bootstrap, kernel, session) as moe:

@@ -33,6 +33,7 @@ from p2p.dht.records import (
     select_best,
     value_key,
 )
+from p2p.dht.stage_records import StageRecord
 from p2p.identity import Identity, PeerId
 from p2p.lograte_edge import ThrottledLog
 
@@ -91,7 +92,7 @@ def live_hosts(
     return sorted((r for r in newest.values() if r.is_live(now)), key=lambda r: r.peer_id)
 
 
-R = TypeVar("R", HostRecord, HelperRecord)
+R = TypeVar("R", HostRecord, HelperRecord, StageRecord)
 
 
 @dataclass(frozen=True)

@@ -74,9 +74,10 @@ from p2p.dht.records import (
     RecordError,
     helper_key,
     issue_helper,
-    validate,
     value_key,
 )
+from p2p.dht.stage_records import HostedStage, StageRecord, StageShape, issue_stage, live_stages, stage_key, stage_provider_key
+from p2p.dht.stage_records import validate as validate_any
 from p2p.dht.trio_thread import TrioThread
 from p2p.identity import Identity, IdentityError, PeerId
 from p2p.ports import check_free
@@ -109,10 +110,12 @@ def helper_provider_key(epoch: int, shard: int) -> bytes:
     return b"\x12\x20" + hashlib.sha256(b"moeswarm/helpers/v1\0" + epoch.to_bytes(8, "big") + bytes([shard])).digest()
 
 
-def _provider_key_of(record: HostRecord | HelperRecord, epoch: int) -> bytes:
+def _provider_key_of(record: HostRecord | HelperRecord | StageRecord, epoch: int) -> bytes:
     shard = provider_shard(record.peer_id)
     if isinstance(record, HelperRecord):
         return helper_provider_key(epoch, shard)
+    if isinstance(record, StageRecord):
+        return stage_provider_key(record.stage.model_digest, epoch, shard)
     return provider_key(record.hosted.model_digest, record.hosted.layer, epoch, shard)
 
 
@@ -307,6 +310,7 @@ class _Node:
         self.announcer = Announcer(identity, ttl=ttl)
         self.ttl = ttl
         self.helper: Publication[HelperRecord] | None = None  # our helper record (or its tombstone), refreshed like the others
+        self.stage: Publication[StageRecord] | None = None  # our stage record (p2p.dht.stage_records), refreshed like the others
         self.multiaddrs: list[str] = []
         self.pacer = ProvidePacer()
         self.provisions = Provisions()  # the provider entries we sent, and when each is due again
@@ -398,7 +402,7 @@ class _Node:
     async def _maintain(self) -> None:
         """Re-sign and re-put records before they expire; rejoin through the bootstrap peers if alone."""
         while True:
-            due_at = min(filter(None, (self.announcer.next_refresh_at(), self._helper_refresh_at())), default=None)
+            due_at = min(filter(None, (self.announcer.next_refresh_at(), self._helper_refresh_at(), self._stage_refresh_at())), default=None)
             delay = MAINTENANCE_INTERVAL if due_at is None else min(MAINTENANCE_INTERVAL, due_at - self.clock())
             with trio.move_on_after(max(delay, 0.0)):
                 await self.changed.wait()
@@ -409,6 +413,7 @@ class _Node:
                 async with self.lock:
                     pubs = self.announcer.due(self.clock(), everything=self.republish_all)
                     pubs += self._helper_due(everything=self.republish_all)
+                    pubs += self._stage_due(everything=self.republish_all)
                     if await self._publish(pubs):
                         self.republish_all = False
                         if pubs:
@@ -475,6 +480,41 @@ class _Node:
         self.helper = Publication(*issue_helper(self.identity, addr, now=now, ttl=self.ttl, seq=seq))
         return [self.helper]
 
+    async def announce_stage(self, stage: HostedStage | None) -> None:
+        """Publish our stage record (None: a tombstone over the one held); the refresh loop keeps it fresh."""
+        async with self.lock:
+            now, held = self.clock(), self.stage
+            if stage is None:
+                if held is None or now >= held.record.expires_at:
+                    self.stage = None
+                    return
+                stage = HostedStage(held.record.stage.model_digest, range(0))
+            seq = max(int(now * 1000), held.record.seq + 1 if held else 0)
+            self.stage = Publication(*issue_stage(self.identity, stage, now=now, ttl=self.ttl, seq=seq))
+            ok = await self._publish([self.stage])
+        self.changed.set()
+        if not ok:
+            raise DiscoveryError(f"announcing the stage of layers {stage.layers.start}-{stage.layers.stop - 1} failed (retrying every {RETRY_AFTER:.0f}s)")
+        log.debug("dht.stage_announced", layers=f"{stage.layers.start}-{stage.layers.stop - 1}" if stage.layers else "withdrawn")
+
+    def _stage_refresh_at(self) -> float | None:
+        held = self.stage
+        return None if held is None or held.record.stage.is_tombstone else held.record.issued_at + self.ttl / 2
+
+    def _stage_due(self, *, everything: bool) -> list[Publication]:
+        at = self._stage_refresh_at()
+        if at is None or not (everything or self.clock() >= at):
+            return []
+        now, held = self.clock(), self.stage
+        assert held is not None  # _stage_refresh_at is None without one
+        self.stage = Publication(*issue_stage(self.identity, held.record.stage, now=now, ttl=self.ttl, seq=max(int(now * 1000), held.record.seq + 1)))
+        return [self.stage]
+
+    async def lookup_stages(self, model_digest: str, n_layer: int) -> list[StageRecord]:
+        """Live stage records of the model (newest per peer, other models' and out-of-shape ones dropped)."""
+        records = await self._gather(lambda epoch, shard: stage_provider_key(model_digest, epoch, shard), lambda peer: stage_key(peer, model_digest), f"stages of model {model_digest[:12]}")
+        return live_stages(records, StageShape(model_digest, n_layer), self.clock())
+
     async def _publish(self, pubs: list[Publication]) -> bool:
         """PUT every record (in parallel), then paced provider announcements for the live ones.
 
@@ -502,12 +542,13 @@ class _Node:
 
     async def _reprovide(self, just_published: set[str]) -> None:
         """Provider entries of our live records whose neighbourhood moved (`p2p.dht.provisions`), between refreshes."""
-        held: list[HostRecord | HelperRecord] = [r for r in self.announcer.live(self.clock()) if r.key not in just_published]
-        if self.helper is not None and self.helper.record.key not in just_published:
-            held.append(self.helper.record)
+        held: list[HostRecord | HelperRecord | StageRecord] = [r for r in self.announcer.live(self.clock()) if r.key not in just_published]
+        for own in (self.helper, self.stage):
+            if own is not None and own.record.key not in just_published:
+                held.append(own.record)
         await self._provide_due(held)
 
-    async def _provide_due(self, records: Sequence[HostRecord | HelperRecord]) -> None:
+    async def _provide_due(self, records: Sequence[HostRecord | HelperRecord | StageRecord]) -> None:
         """Send the provider entries of the live records that are due (new, old, or sent to a neighbourhood that moved)."""
         now = self.clock()
         self.provisions.forget_before(int(now // PROVIDER_EPOCH) - 1)
@@ -663,7 +704,7 @@ class _Node:
         now, before = self.clock(), len(out)
         for value in values:
             try:
-                out.append(validate(key, value, now))
+                out.append(validate_any(key, value, now))
             except RecordError as exc:
                 log.debug("dht.record_rejected", key=key, error=type(exc).__name__, reason=str(exc))
         return len(out) > before
@@ -762,6 +803,14 @@ class LibP2PDiscovery:
 
     async def lookup(self, model_digest: str, layer: int, *, fresh: bool = False) -> list[HostRecord]:
         return await self._call(self._node.lookup, model_digest, layer)  # no cache here: always fresh
+
+    async def announce_stage(self, stage: HostedStage | None) -> None:
+        """Announce that we run *stage* (None: withdraw it); kept fresh like the host records."""
+        await self._call(self._node.announce_stage, stage)
+
+    async def lookup_stages(self, model_digest: str, n_layer: int) -> list[StageRecord]:
+        """The live stages of the model the DHT knows (``p2p.dht.stage_records``), sorted by first layer."""
+        return await self._call(self._node.lookup_stages, model_digest, n_layer)
 
     async def routing_peers(self) -> list[str]:
         """Peer ids in this node's Kademlia routing table (servers only)."""

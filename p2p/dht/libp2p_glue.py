@@ -19,8 +19,9 @@ from typing import Any
 import structlog
 import trio
 
-from p2p.dht.records import HostRecord, ModelShape, RecordError, expires_at_of, select_best, signer_of, validate
+from p2p.dht.records import HostRecord, ModelShape, RecordError
 from p2p.dht.slots import Admission, OwnerQuota, ProviderSlots, address_group
+from p2p.dht.stage_records import StageRecord, StageShape, expires_at_of, select_best, signer_of, validate
 from p2p.lograte_edge import ThrottledLog
 
 log = structlog.get_logger("p2p.dht.kademlia")
@@ -82,8 +83,8 @@ def _import_libp2p() -> SimpleNamespace:
     reattach_libp2p_logger()
 
     class RecordValidator(Validator):
-        """The /moeswarm/ namespace's validator: every put and get goes through records.validate, and a host record
-        of a model this node loaded must fit that model's shape (``models``: digest -> shape)."""
+        """The /moeswarm/ namespace's validator: every put and get goes through stage_records.validate (host, helper and stage
+        records), and a host or stage record of a model this node loaded must fit that model's shape (``models``: digest -> shape)."""
 
         def __init__(self, clock: Callable[[], float], models: Mapping[str, ModelShape]) -> None:
             self._clock, self._models = clock, models
@@ -93,6 +94,8 @@ def _import_libp2p() -> SimpleNamespace:
                 record = validate(key, value, self._clock())
                 if isinstance(record, HostRecord) and (shape := self._models.get(record.hosted.model_digest)):
                     shape.check(record)
+                if isinstance(record, StageRecord) and (shape := self._models.get(record.stage.model_digest)):
+                    StageShape(shape.digest, shape.n_layer).check(record)
             except RecordError as exc:
                 peer_log.info("dht.record_rejected", key=key[:60], error=type(exc).__name__, reason=str(exc))
                 raise

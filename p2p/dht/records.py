@@ -33,8 +33,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from experts.errors import RemoteProtocolError
@@ -515,9 +516,23 @@ def _check_size_and_namespace(key: str, value: bytes) -> None:
         raise KeyMismatch(f"key {key[:80]!r} is outside the /{NAMESPACE}/ namespace")
 
 
-def _check_signed(
-    key: str, value: bytes, record: HostRecord | HelperRecord, signature: bytes, context: bytes, now: float
-) -> None:
+class SignedRecord(Protocol):
+    """What every record type (host, helper, stage: ``p2p.stage_records``) gives the shared checks."""
+
+    @property
+    def peer_id(self) -> PeerId: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def issued_at(self) -> int: ...
+    @property
+    def expires_at(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    def describe(self) -> str: ...
+
+
+def _check_signed(key: str, value: bytes, record: SignedRecord, signature: bytes, context: bytes, now: float) -> None:
     if not record.peer_id.verify(context + value[:-SIGNATURE_BYTES], signature):
         raise BadSignature(f"signature does not verify for peer {record.peer_id}")
     if key != record.key:
@@ -533,15 +548,16 @@ def _check_signed(
         )
 
 
-def select_best(key: str, values: Sequence[bytes], now: float) -> int:
-    """Index of the value that should win for key: a valid one with the highest (seq, expires_at).
+def select_best(key: str, values: Sequence[bytes], now: float, check: Callable[[str, bytes, float], SignedRecord] | None = None) -> int:
+    """Index of the value that should win for key: a valid one (by *check*, default :func:`validate`) with the
+    highest (seq, expires_at).
 
     Invalid values lose to any valid one; ties keep the earliest index (so a store keeps what it has).
     """
     best, best_rank = 0, None
     for index, value in enumerate(values):
         try:
-            record = validate(key, value, now)
+            record = (check or validate)(key, value, now)
         except RecordError:
             continue
         rank = (record.seq, record.expires_at)
