@@ -76,6 +76,10 @@ class ModelConfig:
     indexer_heads: int = field(default=0, metadata=_LATER)
     indexer_head_dim: int = field(default=0, metadata=_LATER)
     indexer_top_k: int = field(default=0, metadata=_LATER)
+    # MiniMax Sparse Attention (experts.archs.msa, minimax-m3): indexer_top_k then counts blocks of indexer_block_size
+    # positions, the indexer_local_blocks latest of which (the query's own included) are always kept; 0: not MSA
+    indexer_block_size: int = field(default=0, metadata=_LATER)
+    indexer_local_blocks: int = field(default=0, metadata=_LATER)
 
     def __post_init__(self) -> None:
         for f in ("n_head_layers", "n_head_kv_layers", "swa_pattern", "clamp_exp", "clamp_shexp"):  # a config line has lists
@@ -123,7 +127,10 @@ class ModelConfig:
         return Glu(Activation.SILU, self.clamp_exp[layer] if self.clamp_exp else 0.0)
 
     def glu_shexp(self, layer: int) -> Glu:
-        """The shared expert's and the dense FFN's activation on *layer* (llama.cpp's build_ffn: swiglu_clamp_shexp)."""
+        """The shared expert's and the dense FFN's activation on *layer* (llama.cpp's build_ffn: swiglu_clamp_shexp;
+        minimax-m3's SwiGLU-OAI, the arch's ``dense_act``)."""
+        if self.spec.dense_act is Activation.SWIGLU_OAI:
+            return Glu(Activation.SWIGLU_OAI, OAI_LIMIT)
         return Glu(Activation.SILU, self.clamp_shexp[layer] if self.clamp_shexp else 0.0)
 
     @property
@@ -143,7 +150,8 @@ class ModelConfig:
         layers have different KV head counts)."""
         if self.kv_lora_rank:  # deepseek32 adds each position's lightning-indexer key
             return self.kv_lora_rank + self.rope_dim + (self.indexer_head_dim if self.indexer_heads else 0)
-        return 2 * self.head_dim * max(self.kv_heads(i) for i in range(self.n_layer))
+        index_key = self.indexer_head_dim if self.indexer_block_size else 0  # minimax-m3's MSA layers: one indexer key per position
+        return 2 * self.head_dim * max(self.kv_heads(i) for i in range(self.n_layer)) + index_key
 
     @property
     def gdn_key_dim(self) -> int:

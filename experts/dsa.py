@@ -96,4 +96,10 @@ class Indexer:
         if t <= self.top_k:
             return np.arange(t)
         scores = (np.maximum(np.matmul(q, np.ascontiguousarray(keys.T)), np.float32(0.0)) * w[:, None]).sum(axis=0)
-        return np.sort(np.argsort(-scores, kind="stable")[: self.top_k])
+        return keep_top(scores, self.top_k)
+
+
+def keep_top(scores: np.ndarray, k: int) -> np.ndarray:
+    """The indices (ascending) of the *k* best *scores*, a tie broken towards the earlier index: what both sparse
+    attentions keep (deepseek32's positions, minimax-m3's blocks)."""
+    return np.sort(np.argsort(-scores, kind="stable")[:k])

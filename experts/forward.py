@@ -31,6 +31,7 @@ from .kda import KimiDelta
 from .kernels import Kernel
 from .layer_span import LayerSpan
 from .moe import route, route_margin, sigmoid, slot_sum, softmax, weight_inputs
+from .msa import BlockIndexer, sparse_rows
 
 # The hook returns a Future of the routed sum, always: the forward computes the shared expert (an
 # independent additive term) while a remote round trip is in flight, then waits, in one place.
@@ -153,12 +154,14 @@ class KVCache:
     An MLA layer keeps one row per position, its latent then its roped key part (``cfg.kv_cache_floats``: 576
     for DeepSeek-V3); its values are the latent columns of those rows, so its ``v`` is zero-width. A gated delta-net
     layer keeps its recurrence's inputs per position as its ``k`` (zero-width ``v``) and checkpoints of its matrix
-    state in ``states`` (:mod:`experts.delta_net`), so cutting positions off stays a slice.
+    state in ``states`` (:mod:`experts.delta_net`), so cutting positions off stays a slice. A minimax-m3 sparse layer
+    keeps its index branch's key per position in ``index`` (:mod:`experts.msa`).
     """
 
     k: list[np.ndarray] = field(default_factory=list)
     v: list[np.ndarray] = field(default_factory=list)
     states: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # recurrent layer -> {position: state after it}
+    index: dict[int, np.ndarray] = field(default_factory=dict)  # MSA layer -> (positions, width) index keys
 
     @property
     def n_past(self) -> int:
@@ -173,21 +176,27 @@ class KVCache:
             self.k[i] = np.concatenate([self.k[i], k])
             self.v[i] = np.concatenate([self.v[i], v])
 
+    def extend_index(self, i: int, keys: np.ndarray) -> None:
+        """Append MSA layer *i*'s index keys of the new positions."""
+        self.index[i] = np.concatenate([self.index[i], keys]) if i in self.index else keys
+
     def truncate(self, n: int) -> None:
         """Forget positions >= n (rejected speculative tokens)."""
         self.k = [k[:n] for k in self.k]
         self.v = [v[:n] for v in self.v]
         self.states = {i: {p: s for p, s in st.items() if p <= n} for i, st in self.states.items()}
+        self.index = {i: a[:n] for i, a in self.index.items()}
 
     def prefix(self, n: int, copy: bool = False) -> KVCache:
         """A cache of the first *n* positions: views of these arrays (the forward replaces arrays, never writes into
         them), or with *copy* compact copies that keep nothing else alive."""
         own = np.array if copy else (lambda a: a)
-        return KVCache([own(k[:n]) for k in self.k], [own(v[:n]) for v in self.v], {i: {p: s for p, s in st.items() if p <= n} for i, st in self.states.items()})
+        states = {i: {p: s for p, s in st.items() if p <= n} for i, st in self.states.items()}
+        return KVCache([own(k[:n]) for k in self.k], [own(v[:n]) for v in self.v], states, {i: own(a[:n]) for i, a in self.index.items()})
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v) + sum(s.nbytes for st in self.states.values() for s in st.values())
+        return sum(a.nbytes for a in [*self.k, *self.v, *self.index.values()]) + sum(s.nbytes for st in self.states.values() for s in st.values())
 
 
 @dataclass(frozen=True)
@@ -257,6 +266,7 @@ class Layer:
     mla: MLA | None = None
     gdn: DeltaNet | KimiDelta | None = None  # a recurrent layer: gated delta-net, or KDA (kimi-linear)
     head_gate: Linear | None = None  # attn_gate (step35): each head's attention output times sigmoid(its row . x)
+    msa: BlockIndexer | None = None  # minimax-m3's sparse layers: the blocks each query's groups read (experts.msa)
 
 
 class Backbone:
@@ -329,6 +339,7 @@ class Backbone:
             mla=mla,
             gdn=gdn,
             head_gate=lin.linear(b + "attn_gate.weight") if model.has(b + "attn_gate.weight") else None,
+            msa=BlockIndexer.load(model, lin, b) if cfg.indexer_block_size and i >= cfg.n_dense_lead else None,
         )
 
     def load_mtp(self) -> list[Layer]:
@@ -387,14 +398,21 @@ class Backbone:
         elif self.arch.attn_temp is not None:
             q = q * attn_temperature(pos, self.arch.attn_temp)[:, None, None]
         cache.extend(i, k, v)
+        if (msa := L.msa) is not None:  # minimax-m3: the index branch, normed and roped as the heads are
+            prepare = lambda x, w: rope(rms_norm(x, w, cfg.rms_eps), pos, cfg.rope_base(i), attn.rope, cfg.rope_dim_at(i), self.yarn)  # noqa: E731
+            cache.extend_index(i, msa.keys(h, prepare))
+            iq = msa.queries(h, prepare)
         rep = n_head // n_kv
         scale = np.float32(1.0 / np.sqrt(hd))
         out = np.empty((n, n_head, hd), dtype=np.float32)
         # One query row at a time over exactly its causal keys (on an SWA layer the last n_swa of them, or those
-        # of its chunk: cfg.first_key): the same shapes (and so the same bits) whether the row is decoded alone,
-        # verified inside a speculative draft, or batched.
+        # of its chunk: cfg.first_key; on an MSA layer those of its groups' chosen blocks): the same shapes (and so
+        # the same bits) whether the row is decoded alone, verified inside a speculative draft, or batched.
         for r in range(n):
             t = int(pos[r]) + 1
+            if msa is not None:
+                out[r] = sparse_rows(q[r], cache.k[i][:t], cache.v[i][:t], msa.select(iq[r], cache.index[i][:t]), scale)
+                continue
             s0 = cfg.first_key(i, t - 1)
             K = np.ascontiguousarray(np.repeat(cache.k[i][s0:t], rep, axis=1).transpose(1, 2, 0))  # (heads, hd, t)
             V = np.ascontiguousarray(np.repeat(cache.v[i][s0:t], rep, axis=1).transpose(1, 0, 2))  # (heads, t, hd)

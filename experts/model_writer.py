@@ -28,7 +28,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 # norms, biases (the stacked expert biases too) and the router are tiny and precision-sensitive.
 def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
     # as llama-quantize: no conv1d weights (Kimi's ssm_conv1d_{q,k,v} too), nothing not ending in "weight" (Kimi's 2-D ssm_a)
-    return len(shape) == 1 or "ssm_conv1d" in name or name.endswith((".bias", "ffn_gate_inp.weight", "ssm_a"))
+    # minimax-m3's index branch too, as its converter forces (the block choice is sensitive to its scores' rounding)
+    return len(shape) == 1 or "ssm_conv1d" in name or name.endswith((".bias", "ffn_gate_inp.weight", "ssm_a", "indexer.q_proj.weight", "indexer.k_proj.weight"))
 
 
 def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:

@@ -1,5 +1,5 @@
 """One module per model family, each an :class:`Arch` (or a subclass with its quirks) over shared mechanism parts:
-attention (:mod:`.attention`, :mod:`.mla`, :mod:`.dsa`, :mod:`.gdn`, :mod:`.kda`), sliding windows (:mod:`.window`), routers (:mod:`.router`),
+attention (:mod:`.attention`, :mod:`.mla`, :mod:`.dsa`, :mod:`.msa`, :mod:`.gdn`, :mod:`.kda`), sliding windows (:mod:`.window`), routers (:mod:`.router`),
 experts, shared experts and layer schedules (:mod:`.ffn`).
 
 Adding an architecture means one family module (or one more Arch in an existing one) and its line in :data:`ARCHS`.
@@ -17,7 +17,7 @@ from .glm import GLM4MOE
 from .gpt_oss import GPT_OSS
 from .kimi import KIMI_LINEAR
 from .llama import LLAMA, LLAMA4
-from .minimax import MINIMAX_M2
+from .minimax import MINIMAX_M2, MINIMAX_M3
 from .olmoe import OLMOE
 from .qwen import QWEN2MOE, QWEN3MOE, QWEN3VLMOE
 from .qwen_next import QWEN3NEXT, QWEN35MOE
@@ -29,6 +29,7 @@ ARCHS: dict[str, Arch] = {
         QWEN2MOE, QWEN3MOE, LLAMA, OLMOE, GLM4MOE, MINIMAX_M2, GPT_OSS, QWEN3VLMOE, DOTS1, ERNIE4_5_MOE, BAILINGMOE2,
         DEEPSEEK2, LLAMA4, QWEN3NEXT, QWEN35MOE, STEP35,
         KIMI_LINEAR, DEEPSEEK32,
+        MINIMAX_M3,
     )
 }
 

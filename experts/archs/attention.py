@@ -40,6 +40,7 @@ class Attention:
     latent: ClassVar[bool] = False  # the forward's MLA path (:class:`.mla.LatentAttention`)
     gated_q: ClassVar[bool] = False  # attn_q holds per head [q, gate] rows (the delta-net hybrids' full layers)
     key_decay: ClassVar[bool] = False  # recurrent layers decay each key dim of the state (KDA), not each head
+    needs_flash_attn: ClassVar[bool] = False  # llama.cpp computes it only with flash attention on (MSA: off, it runs dense)
 
     @property
     def optional_tensors(self) -> tuple[str, ...]:

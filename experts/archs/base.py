@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 import gguf
 import numpy as np
 
+from ..arch import Activation
 from ..errors import ModelFormatError
 from .attention import Attention, Shapes
 from .ffn import ALL_MOE, NO_SHARED, Experts, Schedule, SharedExpert
@@ -80,6 +81,7 @@ class Arch:
     shared: SharedExpert = NO_SHARED
     schedule: Schedule = ALL_MOE
     window: Window = NO_WINDOW
+    dense_act: Activation = Activation.SILU  # the shared expert's and dense FFN's (build_ffn's) activation: minimax-m3's is SwiGLU-OAI too
     ffn_norm: str = "ffn_norm"  # the FFN pre-norm tensor (glm4moe, gpt-oss, qwen3next call it post_attention_norm)
     tied_output: bool = True  # output.weight may be absent and tied to token_embd
     mtp_norms: tuple[str, ...] = ()  # (n_embd,) norms an MTP block must carry besides nextn.{eh_proj,enorm,hnorm}

@@ -2,15 +2,21 @@
 a gating function the file must name (NONE aborts build_moe_ffn), a required selection bias, renormalisation
 hard-coded, no scale, no shared expert. Its loader shapes experts with feed_forward_length but still requires
 expert_feed_forward_length.
+
+minimax-m3 (MiniMax-M3), src/models/minimax-m3.cpp: M2's attention with a per-head QK norm and MiniMax Sparse
+Attention (:mod:`.msa`) past the leading dense layers; DeepSeek-V3's FFN side (leading dense layers, routed experts
+with the file's gating, norm and scale, a required selection bias, expert_shared_count shared-expert widths), with
+SwiGLU-OAI in all three FFNs (routed, shared and dense: ``dense_act``); output.weight required.
 """
 
 from __future__ import annotations
 
-from ..arch import QKNorm
+from ..arch import Activation, QKNorm
 from .attention import Attention
 from .base import Arch, FixedKey, RandomFeatures
-from .ffn import Experts
-from .router import GATING, Presence, RouterSpec
+from .ffn import DenseLead, Experts, SharedByCount
+from .msa import BlockSparseAttention
+from .router import FROM_FILE, GATING, Presence, RouterSpec
 
 MINIMAX_M2 = Arch(
     name="minimax-m2",
@@ -20,4 +26,18 @@ MINIMAX_M2 = Arch(
     tied_output=False,
     fixed_keys=(FixedKey("expert_feed_forward_length"),),
     random=RandomFeatures(rot_div=2, gating="sigmoid"),
+)
+
+MINIMAX_M3 = Arch(
+    name="minimax-m3",
+    attention=BlockSparseAttention(),
+    router=RouterSpec(gating=None, reads=FROM_FILE, selection_bias=Presence.REQUIRED),
+    experts=Experts(act=Activation.SWIGLU_OAI),
+    dense_act=Activation.SWIGLU_OAI,
+    shared=SharedByCount(),
+    schedule=DenseLead(),
+    tied_output=False,
+    # one leading dense layer, half the head rotated, the converter's sigmoid gating with renormalisation and a
+    # routed scale (MiniMax-M3's routed_scaling_factor)
+    random=RandomFeatures(n_dense_lead=1, rot_div=2, gating="sigmoid", norm_topk=True, scale=2.5),
 )

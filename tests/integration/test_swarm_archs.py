@@ -1,4 +1,4 @@
-"""olmoe / glm4moe / minimax-m2 / gpt-oss / deepseek2 / qwen3next / qwen35moe / kimi-linear / deepseek32 through a real local swarm: one worker on the full file, one on a slice file.
+"""olmoe / glm4moe / minimax-m2 / gpt-oss / deepseek2 / qwen3next / qwen35moe / kimi-linear / deepseek32 / minimax-m3 through a real local swarm: one worker on the full file, one on a slice file.
 
 One bootstrap serves the whole module and each arch's two workers start once (`arch_swarm`); the demo starts its own."""
 
@@ -30,6 +30,7 @@ N_TOKENS = 16
 PROMPT = [264, 72, 101, 108, 108, 111]
 KIMI_ARCHS = ("kimi-linear",)  # issue 27: hybrid KDA / MLA
 DSA_ARCHS = ("deepseek32",)  # issue 27: MLA + DeepSeek Sparse Attention (the 22 positions pass its top-k of 16)
+MSA_ARCHS = ("minimax-m3",)  # issue 27: MiniMax Sparse Attention (the 22 positions pass its 3 kept blocks of 4)
 
 
 async def remote_run(model: GGUFModel, boot: str) -> list:
@@ -46,7 +47,7 @@ def bootstrap(tmp_path_factory) -> Iterator[str]:
         yield cluster.start("bootstrap", "bootstrap", "--listen", "127.0.0.1:0").wait_ready()["dht_addrs"][0]
 
 
-@pytest.fixture(scope="module", params=NEW_ARCHS + ISSUE15_ARCHS + KIMI_ARCHS + DSA_ARCHS)
+@pytest.fixture(scope="module", params=NEW_ARCHS + ISSUE15_ARCHS + KIMI_ARCHS + DSA_ARCHS + MSA_ARCHS)
 def arch_swarm(request, model_dir, tmp_path_factory, bootstrap) -> Iterator[GGUFModel]:
     """Per arch, started once: a worker with experts 0-3 of the full file, one with a `moeswarm slice` of layers 0-2
     and experts 4-7 (cut while the first one loads)."""
@@ -75,7 +76,7 @@ def test_swarm_with_a_slice_file_generates_the_local_tokens(arch_swarm, bootstra
     assert all(a.tobytes() == b.tobytes() for (_, a), (_, b) in zip(remote, local, strict=True))
 
 
-@pytest.mark.parametrize("arch", NEW_ARCHS + ISSUE15_ARCHS + KIMI_ARCHS + DSA_ARCHS)
+@pytest.mark.parametrize("arch", NEW_ARCHS + ISSUE15_ARCHS + KIMI_ARCHS + DSA_ARCHS + MSA_ARCHS)
 def test_demo_runs_a_random_model_of_each_new_arch(model_dir, tmp_path, arch):
     """`moeswarm demo --model FILE` (bootstrap, two workers, backbone): the tokens equal the single-process run."""
     model = GGUFModel(make_model(model_dir, arch, n_layer=3))
