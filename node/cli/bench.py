@@ -125,6 +125,15 @@ def bench_dispatch(as_json: bool, n_tokens: int, qtype: str, n_layer: int, n_exp
     publish(result, "moeswarm bench dispatch --json", write_md=write_md, as_json=as_json, lines=lines)
 
 
+def swarm_model(model_path: str | None, n_layer: int | None, default_layers: int) -> Path:
+    """--model, or the cached random model of `bench swarm` with --layers (default *default_layers*) layers."""
+    from node.bench import swarm
+
+    if model_path and n_layer is not None:
+        raise click.UsageError("--layers shapes the default random model; a --model file has its own layers")
+    return Path(model_path) if model_path else swarm.cached_model(n_layer or default_layers)
+
+
 @bench_group.command("swarm")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--model", "model_path", type=click.Path(dir_okay=False, exists=True), default=None, help="GGUF model (default: a random qwen3moe, hidden 1024, 64 experts top-8, FFN 512, Q4_K, cached under $MOESWARM_HOME/models).")
@@ -137,16 +146,38 @@ def bench_swarm(as_json: bool, model_path: str | None, n_workers: int, n_layer: 
     """A local swarm of real processes (the demo's) vs the same model decoding alone: tokens/s, identical output, where a dispatch's time goes."""
     from node.bench import swarm
 
-    if model_path and n_layer is not None:
-        raise click.UsageError("--layers shapes the default random model; a --model file has its own layers")
-    path = Path(model_path) if model_path else swarm.cached_model(n_layer or 12)
-    r = swarm.run(path, n_workers, n_tokens, rounds)
+    r = swarm.run(swarm_model(model_path, n_layer, 12), n_workers, n_tokens, rounds)
     d = r["decode"]
     lines = [f"{r['moe_layers']} MoE layers, {n_workers} workers: local {d['local_tps']} tokens/s, swarm {d['swarm_tps']} tokens/s, ratio {d['ratio']}; identical {r['identical']}",
              f"per dispatch p50: round trip {r['rtt_ms_p50']} ms, worker {r['worker_ms_p50']} ms, overhead {r['overhead_ms_p50']} ms; load {r['load']['start'][0]} -> {r['load']['end'][0]}"]  # fmt: skip
     command = f"moeswarm bench swarm --json --workers {n_workers} --tokens {n_tokens} --rounds {rounds}" + (f" --model {model_path}" if model_path else f" --layers {n_layer or 12}")
     publish(r, command, write_md=write_md, as_json=as_json, lines=lines)
     if not r["identical"]:
+        raise SystemExit(1)
+
+@bench_group.command("federation")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--model", "model_path", type=click.Path(dir_okay=False, exists=True), default=None, help="GGUF model (default: bench swarm's random model, cached under $MOESWARM_HOME/models).")
+@click.option("--workers", "n_workers", default=2, show_default=True, type=click.IntRange(1), help="Worker processes in the shared pool; each holds an equal share of every layer's experts.")
+@click.option("--layers", "n_layer", default=None, type=click.IntRange(1), help="Layers of the default random model (4 unless given; not with --model).")
+@click.option("--backbones", "counts", default="1,2,4", show_default=True, help="Comma-separated counts of backbones decoding at once.")
+@click.option("--tokens", "n_tokens", default=16, show_default=True, type=click.IntRange(1), help="Completion tokens per request.")
+@click.option("--rounds", default=2, show_default=True, type=click.IntRange(1), help="Rounds over every count, alternating; medians are reported.")
+@click.option("--write", "write_md", type=click.Path(dir_okay=False), default=None, help="Append the results to this Markdown file.")
+def bench_federation(as_json: bool, model_path: str | None, n_workers: int, n_layer: int | None, counts: str, n_tokens: int, rounds: int, write_md: str | None) -> None:
+    """Several backbones (gateways, real processes) decoding at once against one pool of workers: aggregate and per-backbone tokens/s, Jain's fairness, failures, identical output."""
+    from node.bench import federation
+
+    try:
+        parsed = tuple(int(c) for c in counts.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected counts like 1,2,4; got {counts!r}", param_hint="--backbones") from None
+    r = federation.run(swarm_model(model_path, n_layer, 4), n_workers, parsed, n_tokens, rounds)
+    lines = [f"{n} backbones: aggregate {v['aggregate_tps']} tokens/s, per backbone {v['per_backbone_tps']}, Jain {v['jain']}, failed {v['failed']}, identical {v['identical']}" for n, v in r["backbones"].items()]
+    lines.append(f"worker refusals {r['worker_refusals']}, failed dispatches {r['failed_dispatches']}; load {r['load']['start'][0]} -> {r['load']['end'][0]}")
+    command = f"moeswarm bench federation --json --workers {n_workers} --backbones {counts} --tokens {n_tokens} --rounds {rounds}" + (f" --model {model_path}" if model_path else f" --layers {n_layer or 4}")
+    publish(r, command, write_md=write_md, as_json=as_json, lines=lines)
+    if not r["identical"] or r["failed"]:
         raise SystemExit(1)
 
 
