@@ -134,7 +134,7 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
         "packed_bytes_per_layer": {i: packed_bytes(m, range(i, i + 1), hosted) for i in lr},
         "kv_cache_bytes_per_token_per_layer": 4 * m.cfg.kv_cache_floats,  # float32, as the backbone keeps it
     }
-    if m.cfg.indexer_heads:  # deepseek32: each position's lightning-indexer key, cached beside the latent (counted above)
+    if m.cfg.indexer_heads:  # deepseek32: each position's lightning-indexer key, cached beside the latent; minimax-m3: MSA's index key (counted above)
         info["indexer_key_bytes_per_token_per_layer"] = 4 * m.cfg.indexer_head_dim
     if m.cfg.layer_kinds:  # gated delta-net layers cache their recurrence's inputs, and state checkpoints
         info["recurrent_layers"] = [i for i in range(m.cfg.n_layer) if m.cfg.is_recurrent(i)]
@@ -148,7 +148,7 @@ def inspect_cmd(model: str, layers: str | None, experts_: str | None, memory_bud
     c = m.cfg
     dense = len(m.layers) - len(m.moe_layers)
     click.echo(f"hidden {c.n_embd}, {c.n_layer} layers ({dense} of these dense, no experts), {c.n_expert} experts top-{c.n_expert_used}, expert FFN {c.n_ff_exp}, shared FFN {c.n_ff_shexp}")
-    click.echo(f"KV cache: {info['kv_cache_bytes_per_token_per_layer']} bytes per token per layer ({c.kv_cache_floats} float32" + (", the MLA latent and the lightning indexer's key)" if c.indexer_heads else ", the MLA latent)" if c.kv_lora_rank else ", the widest layer)" if c.n_head_kv_layers else ")"))
+    click.echo(f"KV cache: {info['kv_cache_bytes_per_token_per_layer']} bytes per token per layer ({c.kv_cache_floats} float32" + (", K and V and MSA's index key, on its sparse layers)" if c.indexer_block_size else ", the MLA latent and the lightning indexer's key)" if c.indexer_heads else ", the MLA latent)" if c.kv_lora_rank else ", the widest layer)" if c.n_head_kv_layers else ")"))
     if c.layer_kinds:
         click.echo(
             f"recurrent layers {info['recurrent_layers']}: {info['recurrent_cache_bytes_per_token_per_layer']} bytes per token per layer, "

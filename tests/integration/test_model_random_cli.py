@@ -125,6 +125,9 @@ def test_set_picks_msa_options_and_llamacpp_runs_the_minimax_m3_file_sparse(tmp_
     assert p.returncode == 0, p.stderr
     c = GGUFModel(out).cfg
     assert (c.indexer_top_k, c.indexer_block_size, c.indexer_local_blocks, c.indexer_heads) == (2, 8, 1, c.n_head_kv)
+    p = subprocess.run([sys.executable, "-m", "node", "inspect", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and f"{4 * c.kv_cache_floats} bytes per token per layer" in p.stdout and "MSA's index key" in p.stdout, p.stdout
+    assert c.kv_cache_floats == 2 * c.head_dim * c.n_head_kv + c.indexer_head_dim
     bad = subprocess.run([sys.executable, "-m", "node", *args[:-2], "--set", "indexer_local_blocks=3", "-o", str(tmp_path / "bad.gguf")], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "between 0 and top_k" in bad.stderr and not (tmp_path / "bad.gguf").exists()
     if importlib.util.find_spec("llama_cpp") is not None:  # the optional reference engine
