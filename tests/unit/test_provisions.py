@@ -85,6 +85,7 @@ def _stub_node(clock: list[float]) -> SimpleNamespace:
         pacer=ProvidePacer(budget=1000),
         announcer=Announcer(Identity.generate(), ttl=3600),
         helper=None,
+        stage=None,
         dht=SimpleNamespace(routing_table=table, provider_store=SimpleNamespace(provide=provide, providing_keys=set())),
         sent=sent,
         table=table,
