@@ -293,9 +293,6 @@ class HostRecord:
 
     def _encode_body(self) -> bytes:
         h = self.hosted
-        quic = (h.quic_addr or "").encode()
-        relay_url = h.relay.url.encode() if h.relay else b""
-        relay_peer = h.relay.peer_id.raw if h.relay else b""
         parts = [
             MAGIC,
             bytes([len(self.peer_id.raw)]),
@@ -303,18 +300,20 @@ class HostRecord:
             bytes.fromhex(h.model_digest),
             struct.pack(">HB", h.layer, len(h.expert_ranges)),
             b"".join(struct.pack(">HH", start, stop) for start, stop in h.expert_ranges),
-            bytes([len(quic)]),
-            quic,
-            struct.pack(">H", len(relay_url)),
-            relay_url,
-            bytes([len(relay_peer)]),
-            relay_peer,
-            bytes([len(h.kernel)]),
-            h.kernel.encode("ascii"),
+            *address_parts(h.quic_addr, h.relay, h.kernel),
             bytes([FLAG_SERVES_SLICES if h.serves_slices else 0]),
             _TAIL.pack(h.capacity, h.price, self.issued_at, self.expires_at, self.seq),
         ]
         return b"".join(parts)
+
+
+def address_parts(quic_addr: str | None, relay: RelayAddress | None, kernel: str) -> list[bytes]:
+    """How a host or stage record carries where and how it serves: QUIC address, relay (url, peer id), kernel
+    identity, each length-prefixed; :func:`read_address` reads them back."""
+    quic = (quic_addr or "").encode()
+    relay_url = relay.url.encode() if relay else b""
+    relay_peer = relay.peer_id.raw if relay else b""
+    return [bytes([len(quic)]), quic, struct.pack(">H", len(relay_url)), relay_url, bytes([len(relay_peer)]), relay_peer, bytes([len(kernel)]), kernel.encode("ascii")]
 
 
 def sign(identity: Identity, record: HostRecord) -> bytes:
@@ -446,13 +445,7 @@ def decode(value: bytes) -> tuple[HostRecord, bytes]:
     digest = r.take(32, "model digest").hex()
     layer = r.u16("layer")
     ranges = tuple((r.u16("range start"), r.u16("range stop")) for _ in range(r.u8("range count")))
-    quic = r.text(r.u8("quic address length"), "quic address") or None
-    relay_url = r.text(r.u16("relay url length"), "relay url")
-    relay_peer_len = r.u8("relay peer id length")
-    if bool(relay_url) != bool(relay_peer_len):
-        raise MalformedRecord("relay url and relay peer id must be both present or both absent")
-    relay = RelayAddress(relay_url, r.peer_id(relay_peer_len, "relay peer id")) if relay_url else None
-    kernel = r.text(r.u8("kernel identity length"), "kernel identity")
+    quic, relay, kernel = read_address(r)
     flags = r.u8("flags")
     if flags & ~FLAG_SERVES_SLICES:
         raise MalformedRecord(f"flags {flags:#04x} set bits this version does not define")
@@ -461,6 +454,17 @@ def decode(value: bytes) -> tuple[HostRecord, bytes]:
     r.finish("signature")
     hosted = HostedSlice(digest, layer, ranges, quic, relay, capacity, price, kernel, bool(flags & FLAG_SERVES_SLICES))
     return HostRecord(peer_id, hosted, issued_at, expires_at, seq), signature
+
+
+def read_address(r: _Reader) -> tuple[str | None, RelayAddress | None, str]:
+    """The fields :func:`address_parts` wrote: QUIC address (None if empty), relay (both parts or neither), kernel."""
+    quic = r.text(r.u8("quic address length"), "quic address") or None
+    relay_url = r.text(r.u16("relay url length"), "relay url")
+    relay_peer_len = r.u8("relay peer id length")
+    if bool(relay_url) != bool(relay_peer_len):
+        raise MalformedRecord("relay url and relay peer id must be both present or both absent")
+    relay = RelayAddress(relay_url, r.peer_id(relay_peer_len, "relay peer id")) if relay_url else None
+    return quic, relay, r.text(r.u8("kernel identity length"), "kernel identity")
 
 
 def decode_helper(value: bytes) -> tuple[HelperRecord, bytes]:

@@ -112,9 +112,6 @@ class StageRecord:
 
     def _encode_body(self) -> bytes:
         s = self.stage
-        quic = (s.quic_addr or "").encode()
-        relay_url = s.relay.url.encode() if s.relay else b""
-        relay_peer = s.relay.peer_id.raw if s.relay else b""
         return b"".join(
             [
                 STAGE_MAGIC,
@@ -122,14 +119,7 @@ class StageRecord:
                 self.peer_id.raw,
                 bytes.fromhex(s.model_digest),
                 struct.pack(">HH", s.layers.start, s.layers.stop),
-                bytes([len(quic)]),
-                quic,
-                struct.pack(">H", len(relay_url)),
-                relay_url,
-                bytes([len(relay_peer)]),
-                relay_peer,
-                bytes([len(s.kernel)]),
-                s.kernel.encode("ascii"),
+                *rec.address_parts(s.quic_addr, s.relay, s.kernel),
                 _TAIL.pack(s.capacity, s.price, self.issued_at, self.expires_at, self.seq),
             ]
         )
@@ -149,13 +139,7 @@ def decode_stage(value: bytes) -> tuple[StageRecord, bytes]:
     start, stop = r.u16("layer start"), r.u16("layer stop")
     if start > stop:
         raise MalformedRecord(f"layers {start}..{stop} are not a range")
-    quic = r.text(r.u8("quic address length"), "quic address") or None
-    relay_url = r.text(r.u16("relay url length"), "relay url")
-    relay_peer_len = r.u8("relay peer id length")
-    if bool(relay_url) != bool(relay_peer_len):
-        raise MalformedRecord("relay url and relay peer id must be both present or both absent")
-    relay = RelayAddress(relay_url, r.peer_id(relay_peer_len, "relay peer id")) if relay_url else None
-    kernel = r.text(r.u8("kernel identity length"), "kernel identity")
+    quic, relay, kernel = rec.read_address(r)
     capacity, price, issued_at, expires_at, seq = _TAIL.unpack(r.take(_TAIL.size, "fixed fields"))
     signature = r.take(rec.SIGNATURE_BYTES, "signature")
     r.finish("signature")
